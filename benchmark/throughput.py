@@ -1,0 +1,131 @@
+"""Training throughput of every algorithm script next to a minimal torch DQN update loop.
+
+Both are measured in this one run, on this machine, one torch thread each:
+  * reference: the plainest DQN update (FC(32)-FC(16), batch 64, Adam, MSE TD loss) on tensors
+    already in memory -- what "as fast as the hardware allows" means for these tiny networks;
+  * each script: run as a subprocess with a small budget; its own result.json reports the
+    updates/s of its training loop (evaluation time excluded).
+Then the share of wall time spent in evaluation, from runs with the default evaluation settings
+(every 1,000 updates, 40 episodes).
+
+    python benchmark/throughput.py                     # all scripts, CartPole-v1 eps 0.15
+    python benchmark/throughput.py --scripts brpo.py --env-id Acrobot-v1
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import tyro
+
+REPO = Path(__file__).resolve().parent.parent
+SCRIPTS = ("dqn_offline.py", "bc.py", "brpo_c.py", "brpo.py", "bcq_discrete.py", "klq.py", "spibb.py")
+# Targets from the project issues (ratio to the reference update loop).
+TARGETS = {"dqn_offline.py": 0.9, "bc.py": 0.9, "brpo.py": 0.4, "brpo_c.py": 0.7,
+           "bcq_discrete.py": 0.8, "klq.py": 0.8, "spibb.py": 0.8}
+
+
+@dataclass
+class Args:
+    env_id: str = "CartPole-v1"
+    """environment whose dataset the scripts train on"""
+    epsilon: float = 0.15
+    """dataset exploration level"""
+    scripts: tuple[str, ...] = SCRIPTS
+    """algorithm scripts to measure (missing ones are reported and skipped)"""
+    updates: int = 5_000
+    """updates per throughput measurement"""
+    repeats: int = 3
+    """measurements per script and of the reference; the best is kept (least disturbed by the OS)"""
+    eval_share_steps: int = 10_000
+    """updates of the run that measures the evaluation share (0 skips it)"""
+
+
+def reference_updates_per_second(obs_dim: int, n_actions: int, n: int) -> float:
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    N = 100_000
+    obs, next_obs = torch.randn(N, obs_dim), torch.randn(N, obs_dim)
+    actions, rewards, dones = torch.randint(n_actions, (N,)), torch.randn(N), torch.zeros(N)
+
+    def mlp():
+        return nn.Sequential(nn.Linear(obs_dim, 32), nn.ReLU(), nn.Linear(32, 16), nn.ReLU(), nn.Linear(16, n_actions))
+
+    q, target = mlp(), mlp()
+    opt = torch.optim.Adam(q.parameters(), lr=1e-3)
+    start = None
+    for i in range(n + 200):
+        if i == 200:  # warm-up excluded
+            start = time.perf_counter()
+        idx = torch.randint(N, (64,))
+        with torch.no_grad():
+            y = rewards[idx] + 0.99 * target(next_obs[idx]).max(1).values * (1 - dones[idx])
+        loss = F.mse_loss(q(obs[idx]).gather(1, actions[idx, None]).squeeze(1), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return n / (time.perf_counter() - start)
+
+
+def run_script(script: str, args: Args, steps: int, eval_frequency: int, eval_episodes: int, out: Path) -> dict | None:
+    name = f"{Path(script).stem}_{steps}_{eval_frequency}"
+    cmd = [sys.executable, str(REPO / script), "--env-id", args.env_id, "--epsilon", f"{args.epsilon:g}",
+           "--total-steps", str(steps), "--eval-frequency", str(eval_frequency), "--eval-episodes", str(eval_episodes),
+           "--runs-dir", str(out), "--run-name", name, "--no-tensorboard", "--threads", "1"]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        print(f"  {script} failed: {proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else proc.returncode}")
+        return None
+    return json.loads((out / name / "result.json").read_text())
+
+
+def main(args: Args) -> None:
+    import gymnasium as gym
+
+    env = gym.make(args.env_id)
+    obs_dim, n_actions = env.observation_space.shape[0], env.action_space.n
+    present = [s for s in args.scripts if (REPO / s).exists()]
+    for s in sorted(set(args.scripts) - set(present)):
+        print(f"{s}: not in the repository yet, skipped")
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp)
+        # Make sure the dataset exists before timing anything.
+        subprocess.run([sys.executable, str(REPO / "collect_data.py"), "--env-id", args.env_id,
+                        "--epsilon", f"{args.epsilon:g}"], check=True, capture_output=True)
+        rows = []
+        for script in present:
+            ref = max(reference_updates_per_second(obs_dim, n_actions, args.updates) for _ in range(args.repeats))
+            results = [run_script(script, args, args.updates, args.updates, 1, out) for _ in range(args.repeats)]
+            if any(r is None for r in results):
+                continue
+            ups = max(r["updates_per_second"] for r in results)
+            rows.append((script, ups, ref))
+        print(f"\ntraining throughput on {args.env_id} eps {args.epsilon:g} (updates/s, one thread; "
+              f"reference = minimal torch DQN update measured right before each script)")
+        print(f"{'script':<18}{'updates/s':>11}{'reference':>11}{'ratio':>8}{'target':>8}  ok")
+        for script, ups, ref in rows:
+            t = TARGETS.get(script, 0.0)
+            print(f"{script:<18}{ups:>11.0f}{ref:>11.0f}{ups / ref:>8.2f}{t:>8.2f}  {'yes' if ups / ref >= t else 'NO'}")
+        if args.eval_share_steps:
+            print(f"\nevaluation share of wall time ({args.eval_share_steps} updates, evaluation every 1000 "
+                  f"updates over 40 episodes; target < 15%)")
+            for script in present:
+                r = run_script(script, args, args.eval_share_steps, 1_000, 40, out)
+                if r:
+                    share = r["eval_time"] / r["wall_time"]
+                    print(f"{script:<18}eval {r['eval_time']:6.1f}s of {r['wall_time']:6.1f}s = {100 * share:5.1f}%  "
+                          f"{'ok' if share < 0.15 else 'OVER'}  (final return {r['final_score']:.1f})")
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))

@@ -1,0 +1,314 @@
+"""Behaviour policies and epsilon-greedy batch datasets (BRPO paper, "Experimental Details").
+
+Protocol (paper, appendix "Behavior policy" and section "Experimental Results"):
+  * the behaviour policy is a DQN with an FC(32)-FC(16) MLP, replay buffer 500,000, batch 64,
+    trained 50,000 environment steps on CartPole-v1 / Acrobot-v1 and 100,000 on LunarLander;
+  * each dataset holds 100,000 transitions of the epsilon-greedy behaviour policy, for
+    epsilon in {0.05, 0.15, 0.25, 0.5, 1.0}; the behaviour policy is known:
+        beta(a|s) = (1 - eps) * 1[a == argmax_a Q_b(s, a)] + eps / |A|.
+
+The trained behaviour networks are committed under `behavior_policies/` so that every machine
+regenerates the same datasets; `--train-behavior` retrains them (see `train_behavior`).
+
+    python collect_data.py --env-id CartPole-v1                 # all five epsilons
+    python collect_data.py --env-id Acrobot-v1 --epsilon 0.15   # one dataset
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Optional
+
+import gymnasium as gym
+import numpy as np
+import tyro
+
+FORMAT_VERSION = 1
+REPO = Path(__file__).resolve().parent
+PAPER_EPSILONS = (0.05, 0.15, 0.25, 0.5, 1.0)
+# Behaviour training budget in environment steps (paper appendix "Behavior policy").
+PAPER_TRAIN_STEPS = {"CartPole-v1": 50_000, "Acrobot-v1": 50_000, "LunarLander-v3": 100_000}
+# The paper trains "until the performance reaches around 75% of the optimal performance"; what it
+# actually reports for its behaviour policies (Table 1, eps = 0.05 column) is the concrete target
+# we select a checkpoint for, so that our datasets sit in the paper's regime.
+PAPER_BEHAVIOR_RETURN_EPS005 = {"CartPole-v1": 219.1, "Acrobot-v1": -103.9, "LunarLander-v3": 73.7}
+# Share of behaviour training over which exploration decays from 1 to 0.05 (the paper does not say).
+# LunarLander's 100k-step budget only suffices with a short decay (12%, as in tuned DQN settings
+# for this task); with 50% the agent ends up hovering until the time limit.
+EXPLORATION_FRACTION = {"LunarLander-v3": 0.12}
+DATASET_KEYS = (
+    "observations", "actions", "rewards", "next_observations", "terminals", "timeouts",
+    "behavior_probs", "next_behavior_probs", "behavior_w0", "behavior_b0", "behavior_w1",
+    "behavior_b1", "behavior_w2", "behavior_b2", "epsilon", "env_id", "behavior_return",
+    "behavior_return_std", "format_version", "settings_json",
+)
+
+
+@dataclass
+class Args:
+    env_id: str = "CartPole-v1"
+    """gymnasium environment id (CartPole-v1, Acrobot-v1, LunarLander-v3)"""
+    epsilon: tuple[float, ...] = PAPER_EPSILONS
+    """exploration level(s) of the epsilon-greedy behaviour policy; one dataset per value"""
+    seed: int = 0
+    """seed of the data collection (environment resets and exploration noise)"""
+    num_transitions: int = 100_000
+    """transitions per dataset (paper: 100K)"""
+    dataset_path: Optional[str] = None
+    """output file (only with a single --epsilon); default datasets/<env-id>_eps<epsilon>.npz"""
+    behavior_path: Optional[str] = None
+    """behaviour network file; default behavior_policies/<env-id>.npz (committed)"""
+    behavior_eval_episodes: int = 100
+    """episodes used to measure the behaviour policy's average return (stored in the dataset)"""
+    eval_seed: int = 10_000
+    """seed of the first measurement episode (episode i uses eval_seed + i)"""
+    overwrite: bool = False
+    """rewrite datasets that already exist (otherwise they are kept)"""
+    train_behavior: bool = False
+    """retrain the behaviour DQN (overwrites --behavior-path) instead of using the committed one"""
+    behavior_train_steps: Optional[int] = None
+    """environment steps of behaviour training; default: the paper's (50k, 50k, 100k)"""
+    behavior_train_seed: int = 1
+    """seed of behaviour training"""
+
+
+# ---------------------------------------------------------------------------------------------
+# Errors: one line, non-zero exit, nothing half-written.
+def fail(msg: str) -> None:
+    raise SystemExit(f"{Path(sys.argv[0]).name}: error: {msg}")
+
+
+def make_env(env_id: str) -> gym.Env:
+    if env_id == "LunarLander-v2":
+        fail("LunarLander-v2 is not registered in gymnasium 1.x; use --env-id LunarLander-v3")
+    try:
+        env = gym.make(env_id, disable_env_checker=True)
+    except gym.error.Error as e:
+        fail(f"cannot make environment {env_id!r}: {e}")
+    except ModuleNotFoundError as e:
+        fail(f"environment {env_id!r} needs a missing package ({e}); pip install 'gymnasium[box2d]'")
+    if not isinstance(env.action_space, gym.spaces.Discrete):
+        fail(f"{env_id} has a {type(env.action_space).__name__} action space; BRPO needs discrete actions")
+    return env
+
+
+def default_dataset_path(env_id: str, epsilon: float) -> Path:
+    return REPO / "datasets" / f"{env_id}_eps{epsilon:g}.npz"
+
+
+def atomic_savez(path: Path, **arrays) -> None:
+    """Write an .npz so that readers see either nothing or the complete file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            np.savez(f, **arrays)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+# ---------------------------------------------------------------------------------------------
+# The behaviour network, evaluated in float64 numpy so that the greedy action used for acting and
+# the stored beta(.|s) agree exactly (float32 near-ties could otherwise flip the argmax).
+def q_values(weights: dict, obs: np.ndarray) -> np.ndarray:
+    h = np.maximum(obs @ weights["w0"].T.astype(np.float64) + weights["b0"], 0.0)
+    h = np.maximum(h @ weights["w1"].T.astype(np.float64) + weights["b1"], 0.0)
+    return h @ weights["w2"].T.astype(np.float64) + weights["b2"]
+
+
+def behavior_probs(weights: dict, obs: np.ndarray, epsilon: float) -> np.ndarray:
+    q = q_values(weights, np.asarray(obs, dtype=np.float64))
+    n_actions = q.shape[-1]
+    probs = np.full(q.shape, epsilon / n_actions)
+    probs[np.arange(len(q)), q.argmax(-1)] += 1.0 - epsilon
+    return probs
+
+
+def run_episodes(env_id: str, weights: dict, epsilon: float, n: int, seed: int) -> np.ndarray:
+    """Returns of n epsilon-greedy episodes, run side by side (one batched forward per step)."""
+    envs = [make_env(env_id) for _ in range(n)]
+    rng = np.random.default_rng(seed)
+    obs = np.stack([env.reset(seed=seed + i)[0] for i, env in enumerate(envs)]).astype(np.float64)
+    returns, active = np.zeros(n), np.ones(n, dtype=bool)
+    while active.any():
+        idx = np.flatnonzero(active)
+        greedy = q_values(weights, obs[idx]).argmax(-1)
+        explore = rng.random(len(idx)) < epsilon
+        actions = np.where(explore, rng.integers(envs[0].action_space.n, size=len(idx)), greedy)
+        for j, a in zip(idx, actions):
+            o, r, term, trunc, _ = envs[j].step(int(a))
+            obs[j], returns[j] = o, returns[j] + r
+            active[j] = not (term or trunc)
+    return returns
+
+
+# ---------------------------------------------------------------------------------------------
+def train_behavior(env_id: str, steps: int, seed: int, path: Path, eval_seed: int) -> None:
+    """Online DQN with the paper's settings; keeps the checkpoint closest to the paper's behaviour.
+
+    FC(32)-FC(16), Adam lr 1e-3, batch 64, replay 500,000, gamma 0.99, soft target update 0.5
+    every 500 steps (paper hyperparameter table), exploration decaying linearly from 1 to 0.05 over
+    the first half of training (EXPLORATION_FRACTION for exceptions).
+    Every 2,500 steps the eps=0.05 policy is scored on 20 episodes; the checkpoint whose score is
+    closest to the paper's reported eps=0.05 behaviour return is saved, which is how we read
+    "trained until it reaches around 75% of optimal".
+    """
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    torch.manual_seed(seed)
+    torch.set_num_threads(1)
+    env = make_env(env_id)
+    obs_dim, n_actions = env.observation_space.shape[0], env.action_space.n
+    net = nn.Sequential(nn.Linear(obs_dim, 32), nn.ReLU(), nn.Linear(32, 16), nn.ReLU(), nn.Linear(16, n_actions))
+    target = copy.deepcopy(net)
+    opt = torch.optim.Adam(net.parameters(), lr=1e-3)
+    size = min(500_000, steps)
+    buf_o = np.zeros((size, obs_dim), np.float32)
+    buf_o2, buf_a = np.zeros_like(buf_o), np.zeros(size, np.int64)
+    buf_r, buf_d = np.zeros(size, np.float32), np.zeros(size, np.float32)
+    rng = np.random.default_rng(seed)
+    target_return = PAPER_BEHAVIOR_RETURN_EPS005.get(env_id)
+    best, best_gap = None, np.inf
+    obs, _ = env.reset(seed=seed)
+    for t in range(steps):
+        eps = max(0.05, 1.0 - 0.95 * t / (EXPLORATION_FRACTION.get(env_id, 0.5) * steps))
+        if rng.random() < eps:
+            action = int(rng.integers(n_actions))
+        else:
+            with torch.no_grad():
+                action = int(net(torch.as_tensor(obs, dtype=torch.float32)).argmax())
+        nxt, r, term, trunc, _ = env.step(action)
+        i = t % size
+        buf_o[i], buf_o2[i], buf_a[i], buf_r[i], buf_d[i] = obs, nxt, action, r, float(term)
+        obs = nxt if not (term or trunc) else env.reset()[0]
+        if t >= 1_000:
+            j = torch.as_tensor(rng.integers(min(t + 1, size), size=64))
+            o, o2 = torch.as_tensor(buf_o)[j], torch.as_tensor(buf_o2)[j]
+            with torch.no_grad():
+                y = torch.as_tensor(buf_r)[j] + 0.99 * target(o2).max(1).values * (1 - torch.as_tensor(buf_d)[j])
+            q = net(o).gather(1, torch.as_tensor(buf_a)[j, None]).squeeze(1)
+            loss = F.mse_loss(q, y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            if t % 500 == 0:
+                with torch.no_grad():
+                    for p, tp in zip(net.parameters(), target.parameters()):
+                        tp.mul_(0.5).add_(0.5 * p)
+        if (t + 1) % 2_500 == 0 and t + 1 >= steps // 4:
+            layers = [m for m in net if isinstance(m, nn.Linear)]
+            w = {f"{k}{i}": getattr(m, name).detach().numpy().copy()
+                 for i, m in enumerate(layers) for k, name in (("w", "weight"), ("b", "bias"))}
+            score = run_episodes(env_id, w, 0.05, 20, eval_seed).mean()
+            gap = abs(score - target_return) if target_return is not None else -score
+            print(f"behaviour training {env_id} step {t + 1}: eps=0.05 return {score:.1f}")
+            if gap < best_gap:
+                best, best_gap, best_step, best_score = w, gap, t + 1, score
+    meta = dict(env_id=env_id, train_steps=steps, seed=seed, selected_step=best_step,
+                selected_eps005_return=float(best_score), target_return=target_return)
+    atomic_savez(path, **best, meta_json=np.array(json.dumps(meta)))
+    print(f"saved {path} (step {best_step}, eps=0.05 return {best_score:.1f})")
+
+
+def load_behavior(path: Path, env: gym.Env) -> dict:
+    try:
+        with np.load(path) as f:
+            weights = {k: f[k] for k in ("w0", "b0", "w1", "b1", "w2", "b2")}
+    except FileNotFoundError:
+        fail(f"behaviour network {path} not found; create it with --train-behavior")
+    except Exception as e:  # corrupt zip, missing key, ...
+        fail(f"behaviour network {path} is unreadable ({type(e).__name__}: {e}); retrain with --train-behavior")
+    obs_dim, n_actions = env.observation_space.shape[0], env.action_space.n
+    if weights["w0"].shape[1] != obs_dim or weights["w2"].shape[0] != n_actions:
+        fail(f"behaviour network {path} is for obs dim {weights['w0'].shape[1]} / {weights['w2'].shape[0]} "
+             f"actions, but the environment has {obs_dim} / {n_actions}")
+    return weights
+
+
+def collect(args: Args, env_id: str, epsilon: float, weights: dict, behavior_path: Path, out: Path) -> None:
+    env = make_env(env_id)
+    n_actions, obs_dim, N = env.action_space.n, env.observation_space.shape[0], args.num_transitions
+    rng = np.random.default_rng(args.seed)
+    obs_buf = np.zeros((N, obs_dim), np.float64)
+    next_buf = np.zeros_like(obs_buf)
+    actions, probs = np.zeros(N, np.int64), np.zeros((N, n_actions))
+    rewards = np.zeros(N, np.float32)
+    terminals, timeouts = np.zeros(N, bool), np.zeros(N, bool)
+    episode_returns, ep_ret = [], 0.0
+    obs, _ = env.reset(seed=args.seed)
+    for t in range(N):
+        p = behavior_probs(weights, obs[None], epsilon)[0]
+        # Sample from the exact stored distribution, so the data really is drawn from beta.
+        a = int(rng.choice(n_actions, p=p))
+        nxt, r, term, trunc, _ = env.step(a)
+        obs_buf[t], next_buf[t], actions[t], probs[t], rewards[t] = obs, nxt, a, p, r
+        terminals[t], timeouts[t] = term, trunc and not term
+        ep_ret += r
+        if term or trunc:
+            episode_returns.append(ep_ret)
+            ep_ret = 0.0
+            obs, _ = env.reset()
+        else:
+            obs = nxt
+    next_probs = behavior_probs(weights, next_buf, epsilon)
+    returns = run_episodes(env_id, weights, epsilon, args.behavior_eval_episodes, args.eval_seed)
+    settings = dict(asdict(args), epsilon=epsilon, env_id=env_id, behavior_path=str(behavior_path),
+                    gymnasium_version=gym.__version__, numpy_version=np.__version__,
+                    dataset_episodes=len(episode_returns),
+                    dataset_episode_return_mean=float(np.mean(episode_returns)) if episode_returns else None)
+    settings.pop("dataset_path"), settings.pop("overwrite")
+    atomic_savez(
+        out,
+        observations=obs_buf.astype(np.float32), actions=actions, rewards=rewards,
+        next_observations=next_buf.astype(np.float32), terminals=terminals, timeouts=timeouts,
+        behavior_probs=probs.astype(np.float32), next_behavior_probs=next_probs.astype(np.float32),
+        **{f"behavior_{k}": v.astype(np.float32) for k, v in weights.items()},
+        epsilon=np.float64(epsilon), env_id=np.array(env_id),
+        behavior_return=np.float64(returns.mean()), behavior_return_std=np.float64(returns.std()),
+        format_version=np.int64(FORMAT_VERSION), settings_json=np.array(json.dumps(settings)),
+    )
+    print(f"wrote {out}: {N} transitions, {len(episode_returns)} episodes, "
+          f"behaviour return {returns.mean():.1f} +- {returns.std():.1f} ({len(returns)} episodes)")
+
+
+def main(args: Args) -> None:
+    bad = [e for e in args.epsilon if not 0.0 <= e <= 1.0]
+    if bad:
+        fail(f"--epsilon must lie in [0, 1], got {bad}")
+    if args.num_transitions <= 0:
+        fail(f"--num-transitions must be positive, got {args.num_transitions}")
+    if args.behavior_eval_episodes <= 0:
+        fail(f"--behavior-eval-episodes must be positive, got {args.behavior_eval_episodes}")
+    if args.dataset_path is not None and len(args.epsilon) != 1:
+        fail("--dataset-path names one file: give exactly one --epsilon with it")
+    env = make_env(args.env_id)
+    behavior_path = Path(args.behavior_path) if args.behavior_path else REPO / "behavior_policies" / f"{args.env_id}.npz"
+    if args.train_behavior:
+        steps = args.behavior_train_steps or PAPER_TRAIN_STEPS.get(args.env_id, 100_000)
+        if steps < 2_500:
+            fail(f"--behavior-train-steps must be at least 2500, got {steps}")
+        train_behavior(args.env_id, steps, args.behavior_train_seed, behavior_path, args.eval_seed)
+    weights = load_behavior(behavior_path, env)
+    for eps in args.epsilon:
+        out = Path(args.dataset_path) if args.dataset_path else default_dataset_path(args.env_id, eps)
+        if out.exists() and not args.overwrite:
+            print(f"{out} exists; keeping it (use --overwrite to regenerate)")
+            continue
+        start = time.time()
+        collect(args, args.env_id, eps, weights, behavior_path, out)
+        print(f"  ({time.time() - start:.1f}s)")
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))

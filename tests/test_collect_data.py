@@ -1,0 +1,107 @@
+"""collect_data.py: dataset schema, behaviour-policy correctness, reproducibility, bad input."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import REPO, make_dataset, run
+
+KEYS = {
+    "observations", "actions", "rewards", "next_observations", "terminals", "timeouts", "behavior_probs",
+    "next_behavior_probs", "behavior_w0", "behavior_b0", "behavior_w1", "behavior_b1", "behavior_w2", "behavior_b2",
+    "epsilon", "env_id", "behavior_return", "behavior_return_std", "format_version", "settings_json",
+}
+
+
+def load(path):
+    with np.load(path) as f:
+        return {k: f[k] for k in f.files}
+
+
+def greedy_from_stored_network(d, obs):
+    """Independent re-implementation (torch, float64) of the stored behaviour network."""
+    x = torch.as_tensor(obs, dtype=torch.float64)
+    for i in range(3):
+        x = x @ torch.as_tensor(d[f"behavior_w{i}"], dtype=torch.float64).T + torch.as_tensor(d[f"behavior_b{i}"], dtype=torch.float64)
+        if i < 2:
+            x = torch.relu(x)
+    return x.argmax(1).numpy()
+
+
+def test_schema(datasets):
+    d = load(datasets[0.15])
+    assert set(d) == KEYS
+    n = len(d["actions"])
+    assert n == 2000
+    assert d["observations"].shape == d["next_observations"].shape == (n, 4)
+    assert d["observations"].dtype == np.float32 and d["actions"].dtype == np.int64
+    assert d["behavior_probs"].shape == d["next_behavior_probs"].shape == (n, 2)
+    assert d["terminals"].dtype == bool and d["timeouts"].dtype == bool
+    assert not (d["terminals"] & d["timeouts"]).any()
+    assert str(d["env_id"]) == "CartPole-v1" and float(d["epsilon"]) == 0.15 and int(d["format_version"]) == 1
+    settings = json.loads(str(d["settings_json"]))
+    assert settings["num_transitions"] == n and settings["seed"] == 0
+    assert np.isfinite(d["behavior_return"])
+
+
+@pytest.mark.parametrize("eps", [0.15, 0.0, 1.0])
+def test_behavior_probs_are_the_epsilon_greedy_formula(datasets, eps):
+    d = load(datasets[eps])
+    for probs, obs in ((d["behavior_probs"], d["observations"]), (d["next_behavior_probs"], d["next_observations"])):
+        np.testing.assert_allclose(probs.sum(1), 1.0, atol=1e-6)
+        greedy = greedy_from_stored_network(d, obs)
+        expected = np.full(probs.shape, eps / 2)
+        expected[np.arange(len(obs)), greedy] += 1 - eps
+        np.testing.assert_allclose(probs, expected, atol=1e-6)
+    # Actions were drawn from beta: never an action of probability zero.
+    assert (d["behavior_probs"][np.arange(len(d["actions"])), d["actions"]] > 0).all()
+
+
+def test_uniform_data_is_uniform(datasets):
+    d = load(datasets[1.0])
+    share = np.mean(d["actions"] == 0)
+    assert abs(share - 0.5) < 0.05  # 2000 draws: 4.5 standard deviations
+
+
+def test_transitions_chain_within_episodes(datasets):
+    d = load(datasets[0.15])
+    cont = ~(d["terminals"] | d["timeouts"])[:-1]
+    np.testing.assert_array_equal(d["next_observations"][:-1][cont], d["observations"][1:][cont])
+    assert d["terminals"].any()
+
+
+def test_same_seed_same_dataset(tmp_path):
+    a = load(make_dataset(tmp_path / "a.npz", epsilon=0.25, n=1500))
+    b = load(make_dataset(tmp_path / "b.npz", epsilon=0.25, n=1500))
+    c = load(make_dataset(tmp_path / "c.npz", epsilon=0.25, n=1500, seed=1))
+    for k in KEYS - {"settings_json"}:
+        np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+    assert not np.array_equal(a["actions"], c["actions"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.npz", "b.npz", "c.npz"]  # no temp files left
+
+
+def test_behavior_policy_is_in_the_papers_regime(datasets):
+    """The committed CartPole behaviour policy is good but far from optimal (paper: 219 at eps 0.05)."""
+    d = load(datasets[0.0])
+    settings = json.loads(str(d["settings_json"]))
+    assert settings["dataset_episode_return_mean"] > 100
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--env-id", "CartPole-v1", "--epsilon", "1.5"], "--epsilon"),
+    (["--env-id", "LunarLander-v2"], "LunarLander-v3"),
+    (["--env-id", "NoSuchEnv-v0"], "NoSuchEnv-v0"),
+    (["--env-id", "CartPole-v1", "--num-transitions", "-5"], "--num-transitions"),
+    (["--env-id", "CartPole-v1", "--epsilon", "0.1", "0.2", "--dataset-path", "x.npz"], "--dataset-path"),
+    (["--env-id", "Acrobot-v1", "--behavior-path", str(REPO / "behavior_policies" / "CartPole-v1.npz")], "obs dim"),
+])
+def test_bad_input(tmp_path, argv, needle):
+    proc = run([REPO / "collect_data.py", *argv], cwd=tmp_path)
+    assert proc.returncode != 0
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0], proc.stderr
+    assert list(tmp_path.iterdir()) == []
