@@ -189,6 +189,7 @@ def evaluate(act, envs: list, seed: int) -> np.ndarray:
 def write_json_atomic(path: Path, obj: dict) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
     try:
+        os.chmod(tmp, 0o644)  # mkstemp's 0600 would hide the file from other users
         with os.fdopen(fd, "w") as f:
             json.dump(obj, f, indent=1)
         os.replace(tmp, path)
