@@ -1,0 +1,503 @@
+#!/usr/bin/env python
+"""Aggregate benchmark result.json files into the paper's Table 1 layout, learning curves and a summary.
+
+    python benchmark/aggregate.py benchmark/results/table1            # writes benchmark/results/table1/report/
+
+Reads every ``result.json`` below RESULTS_DIR (INTERFACES.md schema). Seeds of one configuration are the
+sibling ``seed<k>`` run directories written by run_grid.py (results laid out differently are grouped by
+their hyperparameters instead). When several configurations of an algorithm exist for a (task, epsilon)
+cell -- a sweep -- the one with the highest mean final score is reported, as in the paper, and the
+selection is listed. Cells show mean +- sample standard deviation (ddof=1) over seeds of final_score,
+the paper's value beside it; the top-2 algorithms of each row are bold.
+
+Outputs (written atomically): table1.md, configs.csv, curves_<env>.png (mean +- standard error over seeds).
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import io
+import json
+import math
+import os
+import re
+import shlex
+import sys
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from run_grid import ALGORITHMS, ENVS, ENV_RENAMES, RESULT_FILE, check_result, fmt_value, norm_key  # noqa: E402
+
+PAPER_CSV = Path(__file__).resolve().parent / "paper_table1.csv"
+LABELS = {key: label for key, (_, label) in ALGORITHMS.items()}
+ALGO_ORDER = list(ALGORITHMS)
+# args that differ between seeds of one configuration or do not change the learning problem
+PER_RUN_KEYS = {"seed", "run_name", "runs_dir", "exp_name", "track", "tensorboard", "threads", "save_model",
+                "eval_checkpoint", "dataset_path", "wandb_project_name", "wandb_entity", "capture_video", "cuda",
+                "env_id", "epsilon"}
+HEADER_SETTINGS = ("total_steps", "eval_frequency", "eval_episodes", "eval_seed", "batch_size", "gamma",
+                   "learning_rate", "target_update_frequency", "tau")
+
+
+class AggregateError(Exception):
+    pass
+
+
+# --------------------------------------------------------------------------------------------
+# loading
+# --------------------------------------------------------------------------------------------
+@dataclass
+class Run:
+    path: Path
+    env_id: str
+    epsilon: float
+    algo: str
+    seed: int
+    final_score: float
+    behavior_return: float | None
+    steps: list[int]
+    returns: list[float]
+    args: dict
+    group: str = ""
+    hparams: dict = field(default_factory=dict)
+
+
+def resolve_algo(data: dict, path: Path) -> str | None:
+    """Map the result's algorithm name (or, failing that, the script/dir name) to a Table 1 key."""
+    def norm(s):
+        return re.sub(r"[^a-z0-9]", "", str(s).lower())
+    aliases = {norm(k): k for k in ALGORITHMS}
+    aliases.update({norm(label): k for k, label in LABELS.items()})
+    aliases.update({norm(Path(script).stem): k for k, (script, _) in ALGORITHMS.items()})
+    args = data.get("args") if isinstance(data.get("args"), dict) else {}
+    candidates = [data.get("algorithm"), args.get("exp_name"), path.parent.parent.name.split("__")[0]]
+    for c in candidates:
+        if c is not None and norm(c) in aliases:
+            return aliases[norm(c)]
+    return None
+
+
+def load_runs(root: Path) -> tuple[list[Run], list[tuple[Path, str]]]:
+    runs, skipped = [], []
+    for path in sorted(root.rglob(RESULT_FILE)):
+        reason = check_result(path)
+        if reason is not None:
+            skipped.append((path, reason))
+            continue
+        data = json.loads(path.read_text())
+        algo = resolve_algo(data, path)
+        env_id = data.get("env_id")
+        eps = data.get("epsilon")
+        if algo is None or env_id is None or eps is None or data.get("seed") is None:
+            skipped.append((path, "cannot tell algorithm/env_id/epsilon/seed"))
+            continue
+        args = {norm_key(k): v for k, v in (data.get("args") or {}).items()}
+        beh = data.get("behavior_return")
+        runs.append(Run(path=path, env_id=ENV_RENAMES.get(env_id, env_id), epsilon=float(eps), algo=algo,
+                        seed=int(data["seed"]), final_score=float(data["final_score"]),
+                        behavior_return=float(beh) if isinstance(beh, (int, float)) else None,
+                        steps=[int(e["step"]) for e in data["evaluations"]],
+                        returns=[float(e["return_mean"]) for e in data["evaluations"]], args=args))
+    for run in runs:
+        run.hparams = {k: v for k, v in run.args.items() if k not in PER_RUN_KEYS}
+        if re.fullmatch(r"seed\d+", run.path.parent.name):  # run_grid.py layout: seeds are siblings
+            run.group = "dir:" + str(run.path.parent.parent.relative_to(root))
+        else:
+            run.group = "args:" + json.dumps(run.hparams, sort_keys=True, default=str)
+    return runs, skipped
+
+
+def load_paper(path: Path) -> dict[tuple[str, float, str], tuple[float, float | None, bool]]:
+    """(env_id in our naming, epsilon, column label) -> (mean, std or None, top2)."""
+    paper = {}
+    if not path.is_file():
+        return paper
+    with open(path, newline="") as f:
+        for row in csv.DictReader(f):
+            env = ENV_RENAMES.get(row["env_id"], row["env_id"])
+            std = float(row["std"]) if row.get("std") not in (None, "") else None
+            paper[(env, round(float(row["epsilon"]), 6), row["algorithm"])] = (
+                float(row["mean"]), std, row.get("top2") == "1")
+    return paper
+
+
+# --------------------------------------------------------------------------------------------
+# statistics
+# --------------------------------------------------------------------------------------------
+def mean_std(values: list[float]) -> tuple[float, float | None]:
+    """Mean and SAMPLE standard deviation (ddof=1); std is None for a single value."""
+    n = len(values)
+    m = sum(values) / n
+    if n < 2:
+        return m, None
+    return m, math.sqrt(sum((v - m) ** 2 for v in values) / (n - 1))
+
+
+@dataclass
+class Config:
+    group: str
+    runs: list[Run]
+    label: str = "default"
+
+    @property
+    def n(self) -> int:
+        return len(self.runs)
+
+    @property
+    def stats(self) -> tuple[float, float | None]:
+        return mean_std([r.final_score for r in self.runs])
+
+
+@dataclass
+class CellResult:
+    env_id: str
+    epsilon: float
+    algo: str
+    configs: list[Config]
+    selected: Config | None = None
+
+
+def group_cells(runs: list[Run]) -> tuple[dict[tuple[str, float, str], CellResult], list[str]]:
+    warnings = []
+    by_cell: dict[tuple[str, float, str], dict[str, dict[int, Run]]] = defaultdict(lambda: defaultdict(dict))
+    for run in runs:
+        seeds = by_cell[(run.env_id, round(run.epsilon, 6), run.algo)][run.group]
+        if run.seed in seeds:
+            keep = max(seeds[run.seed], run, key=lambda r: r.path.stat().st_mtime)
+            warnings.append(f"duplicate seed {run.seed} for {run.env_id} eps={run.epsilon:g} {run.algo}: "
+                            f"using {keep.path}")
+            seeds[run.seed] = keep
+        else:
+            seeds[run.seed] = run
+    cells = {}
+    for (env, eps, algo), groups in by_cell.items():
+        configs = [Config(g, sorted(seeds.values(), key=lambda r: r.seed)) for g, seeds in sorted(groups.items())]
+        label_configs(configs)
+        # best configuration = highest mean final score among those with the most seeds (as in the paper,
+        # but a config with fewer finished seeds is not preferred over complete ones)
+        most = max(c.n for c in configs)
+        selected = max((c for c in configs if c.n == most), key=lambda c: c.stats[0])
+        cells[(env, eps, algo)] = CellResult(env, eps, algo, configs, selected)
+    return cells, warnings
+
+
+def label_configs(configs: list[Config]) -> None:
+    """Label each configuration by the hyperparameters that differ between the configurations of a cell."""
+    if len(configs) == 1:  # run_grid.py names non-default configurations <algo>__<flag>=<value>,...
+        name = configs[0].group.split("/")[-1]
+        configs[0].label = name.split("__", 1)[1] if configs[0].group.startswith("dir:") and "__" in name \
+            else "default"
+        return
+    params = [c.runs[0].hparams for c in configs]
+    keys = sorted({k for p in params for k in p if len({json.dumps(q.get(k), default=str) for q in params}) > 1})
+    for c, p in zip(configs, params):
+        label = ", ".join(f"{k}={fmt_value(p[k])}" for k in keys if k in p)
+        c.label = label or c.group.split("/")[-1]
+
+
+# --------------------------------------------------------------------------------------------
+# table
+# --------------------------------------------------------------------------------------------
+def fmt_num(x: float) -> str:
+    return f"{x:.1f}"
+
+
+def row_key(env: str, eps: float) -> tuple:
+    order = sorted(ENVS)  # the paper lists Acrobot, CartPole, LunarLander
+    return (order.index(env) if env in order else len(order), env, eps)
+
+
+def top2(means: dict[str, float]) -> set[str]:
+    """Algorithms whose mean is >= the second-highest mean of the row (ties included)."""
+    if not means:
+        return set()
+    ranked = sorted(means.values(), reverse=True)
+    threshold = ranked[min(1, len(ranked) - 1)]
+    return {a for a, m in means.items() if m >= threshold}
+
+
+def build_report(root: Path, runs: list[Run], skipped, expected_seeds: int | None, paper,
+                 invocations: list[str], command: str) -> tuple[str, dict]:
+    cells, warnings = group_cells(runs)
+    rows = sorted({(env, eps) for env, eps, _ in cells}, key=lambda r: row_key(*r))
+    n_expected = expected_seeds or max((c.n for cell in cells.values() for c in cell.configs), default=0)
+
+    behavior: dict[tuple[str, float], list[float]] = defaultdict(list)
+    for run in runs:
+        if run.behavior_return is not None:
+            behavior[(run.env_id, round(run.epsilon, 6))].append(run.behavior_return)
+
+    lines: list[str] = []
+    summary = {a: {"rows": 0, "top2": 0, "ge_behavior": 0, "paper_top2": 0, "paper_ge_behavior": 0}
+               for a in ALGO_ORDER}
+    header = ["Task-ε"] + [LABELS[a] for a in ALGO_ORDER] + ["Behavior"]
+    lines.append("| " + " | ".join(header) + " |")
+    lines.append("|" + "---|" * len(header))
+    for env, eps in rows:
+        means = {a: cells[(env, eps, a)].selected.stats[0] for a in ALGO_ORDER if (env, eps, a) in cells}
+        best = top2(means)
+        beh_values = behavior.get((env, eps), [])
+        beh = sum(beh_values) / len(beh_values) if beh_values else None
+        paper_beh = paper.get((env, eps, "Behavior"), (None,))[0]
+        paper_means = {a: paper[(env, eps, LABELS[a])][0] for a in ALGO_ORDER if (env, eps, LABELS[a]) in paper}
+        paper_best = {a for a in ALGO_ORDER if paper.get((env, eps, LABELS[a]), (0, 0, False))[2]}
+        cells_text = []
+        for a in ALGO_ORDER:
+            cell = cells.get((env, eps, a))
+            p = paper.get((env, eps, LABELS[a]))
+            paper_txt = f" (paper {fmt_num(p[0])})" if p else ""
+            if cell is None:
+                cells_text.append(f"— n=0/{n_expected}{paper_txt}")
+                continue
+            m, s = cell.selected.stats
+            n = cell.selected.n
+            text = fmt_num(m) + (f" ± {fmt_num(s)}" if s is not None else "")
+            if a in best:
+                text = f"**{text}**"
+            if n != n_expected:
+                text += f" n={n}/{n_expected}"
+            cells_text.append(text + paper_txt)
+            summary[a]["rows"] += 1
+            summary[a]["top2"] += a in best
+            if beh is not None and m >= beh:
+                summary[a]["ge_behavior"] += 1
+            summary[a]["paper_top2"] += a in paper_best
+            if a in paper_means and paper_beh is not None and paper_means[a] >= paper_beh:
+                summary[a]["paper_ge_behavior"] += 1
+        if beh is None:
+            beh_text = "—"
+        else:
+            beh_text = fmt_num(beh)
+            if max(beh_values) - min(beh_values) > 1e-6 * max(1.0, abs(beh)):
+                beh_text += " (varies)"
+                warnings.append(f"behavior_return differs between result files of {env} eps={eps:g}")
+        if paper_beh is not None:
+            beh_text += f" (paper {fmt_num(paper_beh)})"
+        lines.append(f"| {env}-{eps:.2f} | " + " | ".join(cells_text) + f" | {beh_text} |")
+
+    # header ------------------------------------------------------------------------------------
+    settings = defaultdict(set)
+    for run in runs:
+        for key in HEADER_SETTINGS:
+            if key in run.args:
+                settings[key].add(json.dumps(run.args[key]))
+        settings["evaluations per run"].add(str(len(run.steps)))
+    seeds = sorted({r.seed for r in runs})
+    now = datetime.datetime.now(datetime.timezone.utc)
+    head = [
+        "# Table 1 reproduction (Sohn et al., IJCAI 2020)",
+        "",
+        f"Generated {now:%Y-%m-%d %H:%M} UTC by `{command}` from `{root}`: {len(runs)} result files"
+        + (f", {len(skipped)} invalid/unfinished skipped" if skipped else "") + ".",
+        "",
+        "Settings found in the result files: "
+        + "; ".join(f"{k} = {', '.join(sorted(v, key=_num_sort))}" for k, v in settings.items())
+        + f"; seeds = {', '.join(map(str, seeds)) or '—'} (expected {n_expected} per cell).",
+    ]
+    if invocations:
+        head += ["", "Runner invocations recorded in the results directory:"]
+        head += [f"- `{c}`" for c in invocations]
+    head += [
+        "",
+        "Each run's score is its `final_score` (mean of the last 10 evaluations, the paper's sliding window of 10; "
+        "each evaluation averages its evaluation episodes). Cells: mean ± **sample** standard deviation "
+        "(ddof=1) over seeds (the paper does not say which it used); no ± when only one seed. "
+        "Bold: top-2 of the row among the seven algorithms (ties included). `n=k/N`: only k of N seeds finished; "
+        "`—`: no finished run. In parentheses: the paper's value. The paper's LunarLander-v2 rows are "
+        "compared with our LunarLander-v3. Behavior: the dataset's measured ε-greedy behaviour return "
+        "(`behavior_return`).",
+        "",
+    ]
+    missing_rows = sorted({(env, eps) for env, eps, _ in paper} - set(rows), key=lambda r: row_key(*r))
+    body = head + lines
+    if missing_rows:
+        body += ["", "Paper rows without any result here: "
+                 + ", ".join(f"{env}-{eps:.2f}" for env, eps in missing_rows) + "."]
+
+    # selected configurations ------------------------------------------------------------------
+    swept = [c for c in cells.values() if len(c.configs) > 1]
+    if swept:
+        body += ["", "## Selected hyperparameters", "",
+                 "Several configurations were found for these cells; the table reports the one with the highest "
+                 "mean final score (among the configurations with the most finished seeds), as the paper did.", "",
+                 "| Task-ε | Algorithm | Selected | Mean | Configurations compared |", "|---|---|---|---|---|"]
+        for c in sorted(swept, key=lambda c: (row_key(c.env_id, c.epsilon), ALGO_ORDER.index(c.algo))):
+            others = "; ".join(f"{o.label}: {fmt_num(o.stats[0])} (n={o.n})"
+                               for o in sorted(c.configs, key=lambda o: -o.stats[0]))
+            body.append(f"| {c.env_id}-{c.epsilon:.2f} | {LABELS[c.algo]} | {c.selected.label} | "
+                        f"{fmt_num(c.selected.stats[0])} | {len(c.configs)}: {others} |")
+
+    # summary ----------------------------------------------------------------------------------
+    body += ["", "## Summary", "",
+             "How often each algorithm is among the top-2 of a row, and how often its mean is at or above the "
+             "behaviour policy, over the rows it has results for (paper: same rows, paper's numbers).", "",
+             "| Algorithm | Rows | Top-2 | Top-2 (paper) | ≥ Behavior | ≥ Behavior (paper) |",
+             "|---|---|---|---|---|---|"]
+    for a in ALGO_ORDER:
+        s = summary[a]
+        body.append(f"| {LABELS[a]} | {s['rows']} | {s['top2']} | {s['paper_top2']} | "
+                    f"{s['ge_behavior']} | {s['paper_ge_behavior']} |")
+    if warnings or skipped:
+        body += ["", "## Warnings", ""]
+        body += [f"- {w}" for w in warnings]
+        body += [f"- skipped `{p}`: {r}" for p, r in skipped]
+    return "\n".join(body) + "\n", {"cells": cells, "rows": rows, "behavior": behavior,
+                                                 "summary": summary, "n_expected": n_expected}
+
+
+def _num_sort(text: str):
+    try:
+        return (0, float(json.loads(text)))
+    except (ValueError, TypeError):
+        return (1, text)
+
+
+# --------------------------------------------------------------------------------------------
+# learning curves
+# --------------------------------------------------------------------------------------------
+def curve(config: Config, smooth: int) -> tuple[list[int], list[float], list[float]]:
+    """Mean and standard error over seeds at the evaluation steps common to all seeds."""
+    common = set(config.runs[0].steps)
+    for r in config.runs[1:]:
+        common &= set(r.steps)
+    steps = sorted(common)
+    series = []
+    for r in config.runs:
+        by_step = dict(zip(r.steps, r.returns))
+        ys = [by_step[s] for s in steps]
+        if smooth > 1:  # trailing moving average, as the paper's sliding window
+            ys = [sum(ys[max(0, i - smooth + 1):i + 1]) / (i + 1 - max(0, i - smooth + 1)) for i in range(len(ys))]
+        series.append(ys)
+    means, ses = [], []
+    for i in range(len(steps)):
+        m, s = mean_std([ys[i] for ys in series])
+        means.append(m)
+        ses.append(s / math.sqrt(len(series)) if s is not None else 0.0)
+    return steps, means, ses
+
+
+def plot_curves(info: dict, out_dir: Path, smooth: int) -> list[Path]:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cells, rows, behavior = info["cells"], info["rows"], info["behavior"]
+    written = []
+    colors = dict(zip(ALGO_ORDER, plt.get_cmap("tab10").colors))
+    for env in sorted({env for env, _ in rows}, key=lambda e: row_key(e, 0)):
+        epsilons = [eps for e, eps in rows if e == env]
+        fig, axes = plt.subplots(1, len(epsilons), figsize=(4.2 * len(epsilons), 3.6), squeeze=False)
+        for ax, eps in zip(axes[0], epsilons):
+            for a in ALGO_ORDER:
+                cell = cells.get((env, eps, a))
+                if cell is None:
+                    continue
+                steps, means, ses = curve(cell.selected, smooth)
+                if not steps:
+                    continue
+                lab = f"{LABELS[a]} (n={cell.selected.n})"
+                ax.plot(steps, means, color=colors[a], label=lab, lw=1.4)
+                ax.fill_between(steps, [m - s for m, s in zip(means, ses)], [m + s for m, s in zip(means, ses)],
+                                color=colors[a], alpha=0.2, lw=0)
+            beh = behavior.get((env, eps))
+            if beh:
+                ax.axhline(sum(beh) / len(beh), color="black", ls="--", lw=1, label="Behavior")
+            ax.set_title(f"{env}  ε={eps:g}")
+            ax.set_xlabel("training updates")
+            ax.grid(alpha=0.3)
+        axes[0][0].set_ylabel("average return" + (f" (window {smooth})" if smooth > 1 else ""))
+        handles, labels = {}, {}
+        for ax in axes[0]:
+            for h, lab in zip(*ax.get_legend_handles_labels()):
+                labels.setdefault(lab.split(" (")[0], h)
+        fig.legend(list(labels.values()), list(labels.keys()), loc="lower center", ncol=len(labels),
+                   bbox_to_anchor=(0.5, -0.02), frameon=False)
+        fig.suptitle(f"{env}: mean ± standard error over seeds")
+        fig.tight_layout(rect=(0, 0.08, 1, 0.95))
+        path = out_dir / f"curves_{env}.png"
+        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+        fig.savefig(tmp, format="png", dpi=110)
+        plt.close(fig)
+        os.replace(tmp, path)
+        written.append(path)
+    return written
+
+
+# --------------------------------------------------------------------------------------------
+# CLI
+# --------------------------------------------------------------------------------------------
+def write_atomic(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def read_invocations(root: Path) -> list[str]:
+    commands = []
+    for path in sorted(root.rglob("invocations.jsonl")):
+        for line in path.read_text().splitlines():
+            try:
+                c = json.loads(line).get("command")
+            except (json.JSONDecodeError, AttributeError):
+                continue
+            if c and c not in commands:
+                commands.append(c)
+    return commands
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="aggregate.py", description=__doc__.split("\n\n")[0])
+    p.add_argument("results_dir", type=Path, help="directory searched recursively for result.json")
+    p.add_argument("--out", type=Path, default=None, help="output directory (default: RESULTS_DIR/report)")
+    p.add_argument("--expected-seeds", type=int, default=None,
+                   help="seeds expected per cell (default: the largest number found for any configuration)")
+    p.add_argument("--paper-csv", type=Path, default=PAPER_CSV)
+    p.add_argument("--smooth", type=int, default=1,
+                   help="trailing moving-average window for the curves (the paper used 10)")
+    p.add_argument("--no-plots", action="store_true")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    opts = p.parse_args(argv)
+    try:
+        root = opts.results_dir
+        if not root.is_dir():
+            raise AggregateError(f"results directory '{root}' does not exist")
+        if opts.expected_seeds is not None and opts.expected_seeds < 1:
+            raise AggregateError("--expected-seeds must be >= 1")
+        if opts.paper_csv != PAPER_CSV and not opts.paper_csv.is_file():
+            raise AggregateError(f"paper table '{opts.paper_csv}' not found")
+        runs, skipped = load_runs(root)
+        if not runs:
+            raise AggregateError(f"no valid result.json under '{root}'"
+                                 + (f" ({len(skipped)} invalid/unfinished)" if skipped else ""))
+    except AggregateError as e:
+        print(f"aggregate.py: error: {e}", file=sys.stderr)
+        return 2
+
+    out = opts.out or root / "report"
+    command = shlex.join(["python", "benchmark/aggregate.py", *argv])
+    text, info = build_report(root, runs, skipped, opts.expected_seeds, load_paper(opts.paper_csv),
+                                          read_invocations(root), command)
+    write_atomic(out / "table1.md", text)
+    buf = io.StringIO()
+    fields = ["env_id", "epsilon", "algorithm", "config", "selected", "n", "mean", "std", "seeds"]
+    w = csv.DictWriter(buf, fieldnames=fields)
+    w.writeheader()
+    for cell in sorted(info["cells"].values(), key=lambda c: (row_key(c.env_id, c.epsilon), ALGO_ORDER.index(c.algo))):
+        for c in cell.configs:
+            m, s = c.stats
+            w.writerow({"env_id": cell.env_id, "epsilon": fmt_value(cell.epsilon), "algorithm": LABELS[cell.algo],
+                        "config": c.label, "selected": int(c is cell.selected), "n": c.n, "mean": f"{m:.4f}",
+                        "std": "" if s is None else f"{s:.4f}", "seeds": " ".join(str(r.seed) for r in c.runs)})
+    write_atomic(out / "configs.csv", buf.getvalue())
+    plots = [] if opts.no_plots else plot_curves(info, out, opts.smooth)
+    print(text)
+    print(f"wrote {out / 'table1.md'}, {out / 'configs.csv'}" + "".join(f", {p}" for p in plots), file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

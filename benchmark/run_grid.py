@@ -1,0 +1,744 @@
+#!/usr/bin/env python
+"""Run (or print, or submit to Slurm) a grid of offline-RL benchmark runs.
+
+The grid is  tasks x epsilons x algorithms x hyperparameter configurations x seeds.
+Every grid cell becomes exactly one command such as
+
+    python brpo.py --env-id Acrobot-v1 --epsilon 0.15 --seed 3 --threads 1 \
+        --runs-dir benchmark/results/table1 --run-name Acrobot-v1/eps0.15/brpo/seed3
+
+with a deterministic run name, so an interrupted grid can simply be started again:
+runs whose ``result.json`` is valid are skipped, everything else is (re)run.
+
+Examples
+    python benchmark/run_grid.py --dry-run                          # paper grid, print commands
+    python benchmark/run_grid.py --workers 2 --total-steps 20000 --seeds 1 2 3
+    python benchmark/run_grid.py --algos brpo_c --sweep brpo_c:lam=0.25,0.5,0.75
+    python benchmark/run_grid.py --grid benchmark/paper_sweep.json --slurm
+
+See docs/benchmark.md for the full description.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import itertools
+import json
+import math
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_OUT = REPO_ROOT / "benchmark" / "results" / "table1"
+RESULT_FILE = "result.json"
+LOG_FILE = "run.log"
+
+# algorithm key -> (script, column name in the paper's Table 1). Order = Table 1 column order.
+ALGORITHMS: dict[str, tuple[str, str]] = {
+    "dqn": ("dqn_offline.py", "DQN"),
+    "brpo_c": ("brpo_c.py", "BRPO-C"),
+    "brpo": ("brpo.py", "BRPO"),
+    "bcq": ("bcq_discrete.py", "BCQ"),
+    "klq": ("klq.py", "KL-Q"),
+    "spibb": ("spibb.py", "SPIBB"),
+    "bc": ("bc.py", "BC"),
+}
+ENVS = ("CartPole-v1", "Acrobot-v1", "LunarLander-v3")
+# The paper used gym's LunarLander-v2; gymnasium 1.x only ships LunarLander-v3.
+ENV_RENAMES = {"LunarLander-v2": "LunarLander-v3"}
+PAPER_EPSILONS = (0.05, 0.15, 0.25, 0.5, 1.0)
+PAPER_SEEDS = (1, 2, 3, 4, 5)
+
+# Common flags every script accepts (INTERFACES.md), in their python (underscore) spelling.
+COMMON_FLAGS = {
+    "env_id", "epsilon", "seed", "total_steps", "eval_frequency", "eval_episodes", "eval_seed",
+    "dataset_path", "learning_rate", "batch_size", "gamma", "target_update_frequency", "tau",
+    "runs_dir", "run_name", "exp_name", "save_model", "eval_checkpoint", "threads", "track",
+}
+# Algorithm-specific flags known from the paper's hyperparameter tables.
+ALGO_FLAGS = {
+    "bcq": {"bcq_threshold"},
+    "spibb": {"spibb_threshold"},
+    "klq": {"kl_weight"},
+    "brpo": {"mu", "confidence_learning_rate"},
+    "brpo_c": {"mu", "lam"},
+    "dqn": set(),
+    "bc": set(),
+}
+# Flags that define the cell itself and can therefore not be swept.
+RESERVED_FLAGS = {"env_id", "epsilon", "seed", "runs_dir", "run_name", "threads", "exp_name", "dataset_path"}
+
+
+class GridError(Exception):
+    """Bad user input; reported as a one-line error message."""
+
+
+# --------------------------------------------------------------------------------------------
+# grid description
+# --------------------------------------------------------------------------------------------
+def fmt_value(v) -> str:
+    """Canonical, filesystem-friendly text for a flag value (0.5 -> '0.5', 1.0 -> '1', 3e-4 -> '0.0003')."""
+    if isinstance(v, bool):
+        return str(v)
+    if isinstance(v, float):
+        return format(v, ".15g")  # exact enough to keep distinct values distinct
+    return str(v).replace("/", "_")
+
+
+def parse_value(text: str):
+    text = text.strip()
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return text
+
+
+def norm_key(key: str) -> str:
+    return key.strip().lstrip("-").replace("-", "_")
+
+
+def canonical_env(env_id: str) -> str:
+    if env_id in ENV_RENAMES:
+        raise GridError(f"{env_id} is not available in gymnasium 1.x; use {ENV_RENAMES[env_id]} "
+                        f"(the paper's {env_id} rows are compared against it)")
+    if env_id not in ENVS:
+        raise GridError(f"unknown env '{env_id}' (choose from {', '.join(ENVS)})")
+    return env_id
+
+
+def canonical_algo(name: str) -> str:
+    key = name.strip().lower().replace("-", "_")
+    aliases = {"dqn_offline": "dqn", "bcq_discrete": "bcq", "kl_q": "klq", "brpoc": "brpo_c"}
+    key = aliases.get(key, key)
+    if key not in ALGORITHMS:
+        raise GridError(f"unknown algorithm '{name}' (choose from {', '.join(ALGORITHMS)})")
+    return key
+
+
+@dataclasses.dataclass(frozen=True)
+class Cell:
+    """One grid cell = one run of one algorithm script."""
+
+    env_id: str
+    epsilon: float
+    algo: str
+    seed: int
+    hparams: tuple[tuple[str, object], ...] = ()  # sorted (flag, value) pairs
+
+    @property
+    def config_name(self) -> str:
+        """'<algo>' or '<algo>__key=value,key=value' (keys sorted)."""
+        if not self.hparams:
+            return self.algo
+        return self.algo + "__" + ",".join(f"{k}={fmt_value(v)}" for k, v in self.hparams)
+
+    @property
+    def run_name(self) -> str:
+        return f"{self.env_id}/eps{fmt_value(float(self.epsilon))}/{self.config_name}/seed{self.seed}"
+
+    def run_dir(self, out: Path) -> Path:
+        return Path(out) / self.run_name
+
+    @property
+    def script(self) -> str:
+        return ALGORITHMS[self.algo][0]
+
+
+def cell_settings(cell: Cell, settings: dict) -> dict:
+    """Flags requested for this cell besides the cell identity: global settings overridden by hparams."""
+    requested = {k: v for k, v in settings.items() if v is not None}
+    requested.update(dict(cell.hparams))
+    return requested
+
+
+def build_command(cell: Cell, settings: dict, out: Path, python: str, threads: int) -> list[str]:
+    cmd = [python, cell.script,
+           "--env-id", cell.env_id, "--epsilon", fmt_value(float(cell.epsilon)), "--seed", str(cell.seed)]
+    for key, value in cell_settings(cell, settings).items():
+        cmd += ["--" + key.replace("_", "-"), fmt_value(value)]
+    cmd += ["--threads", str(threads), "--runs-dir", str(out), "--run-name", cell.run_name]
+    return cmd
+
+
+def parse_sweep(spec: str, algos: list[str]) -> dict[str, dict[str, list]]:
+    """'brpo_c:lam=0.25,0.5' -> {'brpo_c': {'lam': [0.25, 0.5]}}; 'all:learning_rate=...' for every algo."""
+    try:
+        algo_part, rest = spec.split(":", 1)
+        key, values = rest.split("=", 1)
+    except ValueError:
+        raise GridError(f"bad --sweep '{spec}' (expected ALGO:KEY=V1,V2,..., e.g. brpo_c:lam=0.25,0.5)") from None
+    vals = [parse_value(v) for v in values.split(",") if v.strip()]
+    if not vals:
+        raise GridError(f"bad --sweep '{spec}': no values")
+    targets = algos if algo_part.strip() in ("all", "*") else [canonical_algo(algo_part)]
+    return {a: {norm_key(key): vals} for a in targets}
+
+
+def load_grid_file(path: Path, algos: list[str]) -> dict[str, dict[str, list]]:
+    """JSON grid file: {"algorithms": {"<algo>|*": {"<flag>": [values, ...], ...}, ...}}."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise GridError(f"grid file '{path}' not found") from None
+    except json.JSONDecodeError as e:
+        raise GridError(f"grid file '{path}' is not valid JSON ({e})") from None
+    table = data.get("algorithms") if isinstance(data, dict) else None
+    if not isinstance(table, dict):
+        raise GridError(f"grid file '{path}' has no \"algorithms\" object")
+    grid: dict[str, dict[str, list]] = {}
+    for name, params in table.items():
+        if not isinstance(params, dict):
+            raise GridError(f"grid file '{path}': entry for '{name}' must be an object of flag -> list of values")
+        targets = algos if name in ("all", "*") else [canonical_algo(name)]
+        for a in targets:
+            for key, values in params.items():
+                values = values if isinstance(values, list) else [values]
+                grid.setdefault(a, {})[norm_key(key)] = values
+    return grid
+
+
+def merge_grids(*grids: dict[str, dict[str, list]]) -> dict[str, dict[str, list]]:
+    merged: dict[str, dict[str, list]] = {}
+    for grid in grids:
+        for algo, params in grid.items():
+            merged.setdefault(algo, {}).update(params)
+    return merged
+
+
+def expand_grid(envs, epsilons, algos, seeds, grid: dict[str, dict[str, list]] | None = None) -> list[Cell]:
+    """All cells, in a stable order (env, epsilon, algorithm, configuration, seed), without duplicates."""
+    grid = grid or {}
+    cells: list[Cell] = []
+    seen: set[str] = set()
+    for env_id, eps, algo in itertools.product(envs, epsilons, algos):
+        params = grid.get(algo, {})
+        keys = sorted(params)
+        for key in keys:
+            if key in RESERVED_FLAGS:
+                raise GridError(f"'{key}' defines the grid cell and cannot be swept")
+        value_lists = [list(dict.fromkeys(params[k])) for k in keys]  # dedupe, keep order
+        for combo in itertools.product(*value_lists):
+            hp = tuple(zip(keys, combo))
+            for seed in seeds:
+                cell = Cell(env_id, float(eps), algo, int(seed), hp)
+                if cell.run_name not in seen:
+                    seen.add(cell.run_name)
+                    cells.append(cell)
+    return cells
+
+
+def unknown_flag_warnings(grid: dict[str, dict[str, list]]) -> list[str]:
+    out = []
+    for algo, params in grid.items():
+        for key in params:
+            if key not in COMMON_FLAGS and key not in ALGO_FLAGS.get(algo, set()):
+                out.append(f"warning: --{key.replace('_', '-')} is not a known flag of {ALGORITHMS[algo][0]}; "
+                           "passing it through")
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# result validation (shared with aggregate.py)
+# --------------------------------------------------------------------------------------------
+def _same(a, b) -> bool:
+    if isinstance(a, bool) or isinstance(b, bool):
+        return a == b
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+        return math.isclose(float(a), float(b), rel_tol=1e-9, abs_tol=1e-12)
+    return str(a) == str(b)
+
+
+def expected_evaluations(total_steps, eval_frequency) -> set[int] | None:
+    """Accepted numbers of evaluations: floor(total/freq), plus one for scripts that also evaluate at step 0."""
+    try:
+        n = int(total_steps) // int(eval_frequency)
+    except (TypeError, ValueError, ZeroDivisionError):
+        return None
+    return {n, n + 1}
+
+
+def check_result(path: Path, cell: Cell | None = None, requested: dict | None = None) -> str | None:
+    """Return None if ``path`` is a finished, valid result for ``cell`` run with ``requested`` flags,
+    otherwise a short reason why not."""
+    path = Path(path)
+    if not path.is_file():
+        return "no result.json"
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        return f"unreadable result.json ({type(e).__name__})"
+    if not isinstance(data, dict):
+        return "result.json is not an object"
+    score = data.get("final_score")
+    if isinstance(score, bool) or not isinstance(score, (int, float)) or not math.isfinite(score):
+        return "missing or non-finite final_score"
+    evals = data.get("evaluations")
+    if not isinstance(evals, list) or not evals:
+        return "no evaluations"
+    if not all(isinstance(e, dict) and "step" in e and "return_mean" in e for e in evals):
+        return "malformed evaluations"
+    args = {norm_key(k): v for k, v in (data.get("args") or {}).items()} if isinstance(data.get("args"), dict) else {}
+    if cell is not None:
+        if "env_id" in data and data["env_id"] != cell.env_id:
+            return f"env_id {data['env_id']} != {cell.env_id}"
+        if "epsilon" in data and not _same(data["epsilon"], cell.epsilon):
+            return f"epsilon {data['epsilon']} != {cell.epsilon:g}"
+        if "seed" in data and not _same(data["seed"], cell.seed):
+            return f"seed {data['seed']} != {cell.seed}"
+    requested = dict(requested or {})
+    for key, value in requested.items():
+        if key in args and not _same(args[key], value):
+            return f"{key}={args[key]} but {fmt_value(value)} was requested"
+    total = requested.get("total_steps", args.get("total_steps"))
+    freq = requested.get("eval_frequency", args.get("eval_frequency"))
+    accepted = expected_evaluations(total, freq)
+    if accepted is not None and len(evals) not in accepted:
+        return f"{len(evals)} evaluations, expected {min(accepted)} (total_steps={total}, eval_frequency={freq})"
+    return None
+
+
+# --------------------------------------------------------------------------------------------
+# datasets
+# --------------------------------------------------------------------------------------------
+def dataset_path(repo: Path, env_id: str, epsilon: float) -> Path:
+    """Default dataset location of the scripts (INTERFACES.md)."""
+    return Path(repo) / "datasets" / f"{env_id}_eps{float(epsilon):g}.npz"
+
+
+def missing_datasets(cells: list[Cell], repo: Path) -> dict[str, list[float]]:
+    """env_id -> epsilons whose default dataset does not exist yet (for the given cells)."""
+    missing: dict[str, list[float]] = {}
+    for env_id, eps in dict.fromkeys((c.env_id, c.epsilon) for c in cells):
+        if not dataset_path(repo, env_id, eps).exists():
+            missing.setdefault(env_id, []).append(eps)
+    return missing
+
+
+def collect_command(python: str, env_id: str, epsilons: list[float]) -> list[str]:
+    return [python, "collect_data.py", "--env-id", env_id, "--epsilon", *[fmt_value(float(e)) for e in epsilons]]
+
+
+# --------------------------------------------------------------------------------------------
+# local execution
+# --------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class Job:
+    name: str
+    cmd: list[str]
+    log: Path
+    check: object  # callable () -> str | None (None = success)
+    cell: Cell | None = None
+    proc: subprocess.Popen | None = None
+    log_handle: object = None
+    start: float = 0.0
+
+
+def fmt_duration(seconds: float | None) -> str:
+    if seconds is None or not math.isfinite(seconds):
+        return "?"
+    seconds = int(round(seconds))
+    return f"{seconds // 3600:d}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
+
+
+class Runner:
+    """Runs jobs with at most ``workers`` concurrent child processes; Ctrl-C/SIGTERM stops them all."""
+
+    def __init__(self, repo: Path, workers: int, already_done: int = 0, heartbeat: float = 60.0):
+        self.repo, self.workers, self.heartbeat = Path(repo), max(1, workers), heartbeat
+        self.already_done = already_done
+        self.done = 0
+        self.failed: list[tuple[Job, str]] = []
+        self.durations: list[float] = []
+
+    def _env(self) -> dict:
+        env = dict(os.environ)
+        for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+            env[var] = "1"
+        env["PYTHONUNBUFFERED"] = "1"
+        return env
+
+    def _launch(self, job: Job) -> None:
+        job.log.parent.mkdir(parents=True, exist_ok=True)
+        job.log_handle = open(job.log, "w")
+        now = datetime.datetime.now(datetime.timezone.utc)
+        job.log_handle.write(f"# {now:%Y-%m-%d %H:%M:%S} UTC  cwd={self.repo}\n# {shlex.join(job.cmd)}\n")
+        job.log_handle.flush()
+        job.start = time.time()
+        try:
+            # own session: a terminal Ctrl-C reaches only this runner, which then stops children itself
+            job.proc = subprocess.Popen(job.cmd, cwd=self.repo, stdout=job.log_handle, stderr=subprocess.STDOUT,
+                                        stdin=subprocess.DEVNULL, env=self._env(), start_new_session=True)
+        except OSError as e:
+            job.log_handle.write(f"# could not start: {e}\n")
+            job.log_handle.close()
+            job.proc = None
+
+    def _progress(self, total: int, running: int, queued: int, t0: float, event: str = "") -> None:
+        elapsed = time.time() - t0
+        eta = None
+        if self.durations:
+            mean = sum(self.durations) / len(self.durations)
+            eta = mean * (queued + running * 0.5) / self.workers
+        elif queued == 0 and running == 0:
+            eta = 0.0
+        line = (f"[{self.already_done + self.done}/{total} done | {running} running | {len(self.failed)} failed | "
+                f"{queued} remaining | elapsed {fmt_duration(elapsed)} | ETA {fmt_duration(eta)}]")
+        print(f"{line} {event}".rstrip(), flush=True)
+
+    def _stop_all(self, running: list[Job]) -> None:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not abort the clean-up
+        for job in running:
+            if job.proc is not None and job.proc.poll() is None:
+                try:
+                    os.killpg(job.proc.pid, signal.SIGTERM)
+                except (ProcessLookupError, PermissionError):
+                    pass
+        deadline = time.time() + 10
+        for job in running:
+            if job.proc is None:
+                continue
+            try:
+                job.proc.wait(timeout=max(0.1, deadline - time.time()))
+            except subprocess.TimeoutExpired:
+                try:
+                    os.killpg(job.proc.pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+                job.proc.wait()
+            if job.log_handle and not job.log_handle.closed:
+                job.log_handle.write("\n# interrupted by run_grid.py\n")
+                job.log_handle.close()
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+    def run(self, jobs: list[Job], total: int | None = None, label: str = "run") -> bool:
+        """Run all jobs; returns False if interrupted. Failures are collected in self.failed."""
+        total = total if total is not None else len(jobs) + self.already_done
+        queue = list(jobs)
+        running: list[Job] = []
+        t0 = last_print = time.time()
+
+        def on_sigterm(signum, frame):  # SIGTERM/SIGHUP: stop the children like Ctrl-C
+            raise KeyboardInterrupt
+
+        previous = {sig: signal.signal(sig, on_sigterm) for sig in (signal.SIGTERM, signal.SIGHUP)}
+        try:
+            while queue or running:
+                while queue and len(running) < self.workers:
+                    job = queue.pop(0)
+                    running.append(job)  # before launching, so an interrupt can never orphan it
+                    self._launch(job)
+                    if job.proc is None:
+                        running.remove(job)
+                        self.failed.append((job, "could not start"))
+                for job in list(running):
+                    rc = job.proc.poll()
+                    if rc is None:
+                        continue
+                    running.remove(job)
+                    job.log_handle.close()
+                    dt = time.time() - job.start
+                    problem = f"exit code {rc}" if rc != 0 else job.check()
+                    if problem is None:
+                        self.done += 1
+                        self.durations.append(dt)
+                        event = f"ok     {job.name} ({dt:.0f}s)"
+                    else:
+                        self.failed.append((job, problem))
+                        if job.cell is not None:
+                            quarantine(job.log.parent / RESULT_FILE)
+                        event = f"FAILED {job.name} ({problem}; log: {job.log})"
+                    self._progress(total, len(running), len(queue), t0, event)
+                    last_print = time.time()
+                if time.time() - last_print > self.heartbeat:
+                    self._progress(total, len(running), len(queue), t0)
+                    last_print = time.time()
+                time.sleep(0.05)
+        except KeyboardInterrupt:
+            print(f"\ninterrupted: stopping {len(running)} running {label}(s) ...", file=sys.stderr, flush=True)
+            self._stop_all(running)
+            return False
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+        return True
+
+
+def quarantine(result: Path) -> None:
+    """Move a result file that must not count as finished out of the way (never deleted)."""
+    if result.exists():
+        os.replace(result, result.with_name(RESULT_FILE + ".stale"))
+
+
+# --------------------------------------------------------------------------------------------
+# Slurm
+# --------------------------------------------------------------------------------------------
+def write_atomic(path: Path, text: str, mode: int | None = None) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(text)
+    if mode is not None:
+        os.chmod(tmp, mode)
+    os.replace(tmp, path)
+
+
+def slurm_line(cell: Cell, settings: dict, out: Path, python: str, threads: int) -> str:
+    run_dir = cell.run_dir(out)
+    cmd = build_command(cell, settings, out, python, threads)
+    return (f"mkdir -p {shlex.quote(str(run_dir))} && "
+            f"{shlex.join(cmd)} > {shlex.quote(str(run_dir / LOG_FILE))} 2>&1")
+
+
+def write_slurm(cells: list[Cell], settings: dict, out: Path, repo: Path, python: str, threads: int,
+                missing: dict[str, list[float]], opts: argparse.Namespace) -> Path:
+    """Write <out>/slurm/{commands.txt, cells.tsv, grid_NNN.sbatch, [collect.sbatch], submit.sh}.
+
+    Cell i is line i+1 of commands.txt. The cells are split into job arrays of at most
+    --slurm-array-max tasks: array task t of grid_NNN.sbatch runs cell OFFSET+t, so every cell maps to
+    exactly one (script, array index) pair; cells.tsv lists the mapping."""
+    sdir = Path(out) / "slurm"
+    (sdir / "logs").mkdir(parents=True, exist_ok=True)
+    for old in sdir.glob("grid_*.sbatch"):
+        old.unlink()
+    chunk = max(1, opts.slurm_array_max)
+    chunks = [(k, start, min(start + chunk, len(cells))) for k, start in enumerate(range(0, len(cells), chunk))]
+    lines = [slurm_line(c, settings, out, python, threads) for c in cells]
+    write_atomic(sdir / "commands.txt", "\n".join(lines) + "\n")
+    write_atomic(sdir / "cells.tsv", "index\tsbatch\tarray_index\trun_dir\n" + "".join(
+        f"{i}\tgrid_{k:03d}.sbatch\t{i - start}\t{cells[i].run_dir(out)}\n"
+        for k, start, stop in chunks for i in range(start, stop)))
+    partition = f"#SBATCH --partition={opts.slurm_partition}\n" if opts.slurm_partition else ""
+    throttle = f"%{opts.slurm_max_parallel}" if opts.slurm_max_parallel else ""
+    header = "#!/bin/bash\n" + partition + f"#SBATCH --cpus-per-task=1\n#SBATCH --mem={opts.slurm_mem}\n"
+    commands = shlex.quote(str(sdir / "commands.txt"))
+    for k, start, stop in chunks:
+        script = (header +
+                  f"#SBATCH --job-name=brpo-grid-{k:03d}\n#SBATCH --time={opts.slurm_time}\n"
+                  f"#SBATCH --array=0-{stop - start - 1}{throttle}\n"
+                  f"#SBATCH --output={sdir}/logs/grid_{k:03d}_%a.out\n"
+                  "# Generated by benchmark/run_grid.py: array task t runs grid cell OFFSET+t, i.e. line\n"
+                  "# OFFSET+t+1 of commands.txt (cells.tsv maps cells to run directories).\n"
+                  "set -euo pipefail\n"
+                  f"OFFSET={start}\n"
+                  "export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 PYTHONUNBUFFERED=1\n"
+                  f"cd {shlex.quote(str(repo))}\n"
+                  f"CMD=$(sed -n \"$((OFFSET + SLURM_ARRAY_TASK_ID + 1))p\" {commands})\n"
+                  "if [ -z \"$CMD\" ]; then echo \"no command for array index $SLURM_ARRAY_TASK_ID\" >&2; exit 1; fi\n"
+                  "echo \"$CMD\"\n"
+                  "eval \"$CMD\"\n")
+        write_atomic(sdir / f"grid_{k:03d}.sbatch", script, 0o755)
+    submit = ["#!/bin/bash", "# Submit the benchmark grid (datasets first, if any are missing).", "set -euo pipefail",
+              f"cd {shlex.quote(str(sdir))}"]
+    dependency = ""
+    if missing:
+        collect = (header + "#SBATCH --job-name=brpo-datasets\n#SBATCH --time=02:00:00\n"
+                   f"#SBATCH --output={sdir}/logs/datasets_%j.out\nset -euo pipefail\n"
+                   f"cd {shlex.quote(str(repo))}\n" +
+                   "".join(shlex.join(collect_command(python, env, eps)) + "\n" for env, eps in missing.items()))
+        write_atomic(sdir / "collect.sbatch", collect, 0o755)
+        submit.append("jid=$(sbatch --parsable collect.sbatch)")
+        dependency = "--dependency=afterok:$jid "
+    else:
+        (sdir / "collect.sbatch").unlink(missing_ok=True)
+    submit += [f"sbatch {dependency}grid_{k:03d}.sbatch" for k, _, _ in chunks]
+    write_atomic(sdir / "submit.sh", "\n".join(submit) + "\n", 0o755)
+    return sdir
+
+
+# --------------------------------------------------------------------------------------------
+# CLI
+# --------------------------------------------------------------------------------------------
+def make_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="run_grid.py", description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    g = p.add_argument_group("grid")
+    g.add_argument("--envs", nargs="+", default=list(ENVS), help="tasks")
+    g.add_argument("--epsilons", nargs="+", type=float, default=list(PAPER_EPSILONS), help="dataset epsilons")
+    g.add_argument("--algos", nargs="+", default=list(ALGORITHMS), help="algorithms: " + ", ".join(ALGORITHMS))
+    g.add_argument("--seeds", nargs="+", type=int, default=list(PAPER_SEEDS), help="seeds")
+    g.add_argument("--sweep", action="append", default=[], metavar="ALGO:KEY=V1,V2",
+                   help="sweep a flag for one algorithm ('all:' for every algorithm); repeatable")
+    g.add_argument("--grid", type=Path, default=None,
+                   help="JSON hyperparameter grid file, e.g. benchmark/paper_sweep.json")
+    s = p.add_argument_group("settings passed to every script (omitted = the script's default)")
+    s.add_argument("--total-steps", type=int, default=None)
+    s.add_argument("--eval-frequency", type=int, default=None)
+    s.add_argument("--eval-episodes", type=int, default=None)
+    s.add_argument("--threads", type=int, default=1, help="torch threads per run")
+    e = p.add_argument_group("execution")
+    e.add_argument("--out", type=Path, default=DEFAULT_OUT, help="runs directory (--runs-dir of the scripts)")
+    e.add_argument("--workers", type=int, default=1, help="parallel local processes")
+    e.add_argument("--dry-run", action="store_true", help="print the commands of unfinished runs and exit")
+    e.add_argument("--no-collect", action="store_true", help="do not create missing datasets first")
+    e.add_argument("--repo", type=Path, default=REPO_ROOT, help="directory holding the algorithm scripts")
+    e.add_argument("--python", default=sys.executable, help="python interpreter for the scripts")
+    e.add_argument("--heartbeat", type=float, default=60.0, help="seconds between progress lines while waiting")
+    sl = p.add_argument_group("slurm")
+    sl.add_argument("--slurm", action="store_true", help="write a Slurm job-array script instead of running")
+    sl.add_argument("--slurm-time", default="04:00:00")
+    sl.add_argument("--slurm-mem", default="2G")
+    sl.add_argument("--slurm-partition", default=None)
+    sl.add_argument("--slurm-max-parallel", type=int, default=None, help="array throttle (%%N)")
+    sl.add_argument("--slurm-array-max", type=int, default=1000,
+                    help="tasks per job array (clusters limit MaxArraySize); larger grids get several arrays")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = make_parser()
+    opts = parser.parse_args(argv)
+    opts.argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        return _main(opts)
+    except GridError as e:
+        print(f"run_grid.py: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _main(opts: argparse.Namespace) -> int:
+    envs = list(dict.fromkeys(canonical_env(e) for e in opts.envs))
+    algos = list(dict.fromkeys(canonical_algo(a) for a in opts.algos))
+    epsilons = list(dict.fromkeys(float(e) for e in opts.epsilons))
+    seeds = list(dict.fromkeys(opts.seeds))
+    for name, value in (("--workers", opts.workers), ("--threads", opts.threads)):
+        if value < 1:
+            raise GridError(f"{name} must be >= 1")
+    for name, value in (("--total-steps", opts.total_steps), ("--eval-frequency", opts.eval_frequency),
+                        ("--eval-episodes", opts.eval_episodes)):
+        if value is not None and value < 1:
+            raise GridError(f"{name} must be >= 1")
+    if any(not 0.0 <= e <= 1.0 for e in epsilons):
+        raise GridError("epsilons must lie in [0, 1]")
+
+    grids = [load_grid_file(opts.grid, algos)] if opts.grid else []
+    grids += [parse_sweep(s, algos) for s in opts.sweep]
+    grid = {a: p for a, p in merge_grids(*grids).items() if a in algos}
+    for w in unknown_flag_warnings(grid):
+        print(w, file=sys.stderr)
+
+    settings = {"total_steps": opts.total_steps, "eval_frequency": opts.eval_frequency,
+                "eval_episodes": opts.eval_episodes}
+    out = opts.out.resolve()
+    repo = opts.repo.resolve()
+    cells = expand_grid(envs, epsilons, algos, seeds, grid)
+
+    finished, pending, stale = [], [], []
+    for cell in cells:
+        path = cell.run_dir(out) / RESULT_FILE
+        reason = check_result(path, cell, cell_settings(cell, settings))
+        if reason is None:
+            finished.append(cell)
+        else:
+            pending.append(cell)
+            if path.exists():
+                stale.append((cell, reason))
+    missing = {} if opts.no_collect else missing_datasets(pending, repo)
+
+    print(f"grid: {len(envs)} env(s) x {len(epsilons)} eps x {len(algos)} algo(s) "
+          f"-> {len(cells)} runs ({len(finished)} finished, {len(pending)} to run) in {out}", file=sys.stderr)
+    for cell, reason in stale:
+        print(f"rerun {cell.run_name}: {reason}", file=sys.stderr)
+
+    if opts.dry_run:
+        for env_id, eps in missing.items():
+            print(shlex.join(collect_command(opts.python, env_id, eps)))
+        for cell in pending:
+            print(shlex.join(build_command(cell, settings, out, opts.python, opts.threads)))
+        return 0
+
+    if not pending:
+        print("nothing to do: every run has a valid result.json", file=sys.stderr)
+        return 0
+
+    if opts.slurm:
+        sdir = write_slurm(pending, settings, out, repo, opts.python, opts.threads, missing, opts)
+        log_invocation(out, opts, len(cells), len(pending))
+        n_arrays = len(list(sdir.glob("grid_*.sbatch")))
+        print(f"wrote {n_arrays} job array script(s) for {len(pending)} runs in {sdir}; "
+              f"submit with: bash {sdir}/submit.sh")
+        return 0
+
+    scripts = ["collect_data.py"] if missing else []
+    scripts += list(dict.fromkeys(c.script for c in pending))
+    for script in scripts:
+        if not (repo / script).is_file():
+            raise GridError(f"script {script} not found in {repo} (use --repo to point at the algorithm scripts)")
+
+    log_invocation(out, opts, len(cells), len(pending))
+    failed: list[tuple[str, str, Path]] = []
+
+    # 1) datasets, one collect_data.py call per env, before any algorithm run (no two workers may create
+    #    the same default dataset concurrently)
+    if missing:
+        print(f"creating {sum(map(len, missing.values()))} missing dataset(s) first", flush=True)
+        jobs = []
+        for env_id, eps in missing.items():
+            paths = [dataset_path(repo, env_id, e) for e in eps]
+            jobs.append(Job(name=f"collect {env_id}", cmd=collect_command(opts.python, env_id, eps),
+                            log=out / "logs" / f"collect_{env_id}.log",
+                            check=lambda paths=paths: None if all(p.exists() for p in paths)
+                            else "dataset file(s) missing after collect_data.py"))
+        runner = Runner(repo, opts.workers, heartbeat=opts.heartbeat)
+        completed = runner.run(jobs, label="collection")
+        failed += [(j.name, r, j.log) for j, r in runner.failed]
+        if not completed:
+            return report(failed, interrupted=True)
+        # runs whose dataset could not be made are not started (a script would try to create it itself)
+        blocked = {c for c in pending if not dataset_path(repo, c.env_id, c.epsilon).exists()}
+        failed += [(c.run_name, "dataset missing (collect_data.py failed)", out / "logs" / f"collect_{c.env_id}.log")
+                   for c in pending if c in blocked]
+        pending = [c for c in pending if c not in blocked]
+
+    # 2) algorithm runs
+    for cell in pending:
+        quarantine(cell.run_dir(out) / RESULT_FILE)  # an invalid/stale result must never look finished
+    jobs = [Job(name=cell.run_name, cmd=build_command(cell, settings, out, opts.python, opts.threads),
+                log=cell.run_dir(out) / LOG_FILE, cell=cell,
+                check=lambda cell=cell: check_result(cell.run_dir(out) / RESULT_FILE, cell,
+                                                     cell_settings(cell, settings)))
+            for cell in pending]
+    runner = Runner(repo, opts.workers, already_done=len(finished), heartbeat=opts.heartbeat)
+    completed = runner.run(jobs, total=len(cells))
+    failed += [(j.name, r, j.log) for j, r in runner.failed]
+    return report(failed, interrupted=not completed,
+                  summary=f"{len(finished) + runner.done}/{len(cells)} runs finished")
+
+
+def report(failed: list[tuple[str, str, Path]], interrupted: bool = False, summary: str = "") -> int:
+    if summary:
+        print(summary)
+    if failed:
+        print(f"{len(failed)} failed run(s):")
+        for name, reason, log in failed:
+            print(f"  {name}: {reason}; log: {log}")
+    if interrupted:
+        print("interrupted; rerun the same command to resume", file=sys.stderr)
+        return 130
+    return 1 if failed else 0
+
+
+def log_invocation(out: Path, opts: argparse.Namespace, n_cells: int, n_pending: int) -> None:
+    """Append this invocation to <out>/invocations.jsonl (aggregate.py quotes it in its header)."""
+    out.mkdir(parents=True, exist_ok=True)
+    record = {"time_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "command": shlex.join(["python", "benchmark/run_grid.py", *opts.argv]),
+              "argv": opts.argv, "cells": n_cells, "pending": n_pending,
+              "mode": "slurm" if opts.slurm else "local"}
+    with open(out / "invocations.jsonl", "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except BrokenPipeError:  # e.g. `run_grid.py --dry-run | head`
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(0)

@@ -1,0 +1,500 @@
+"""Tests of the benchmark tooling (benchmark/run_grid.py, benchmark/aggregate.py).
+
+They never call the real algorithm scripts: a fake algorithm script (and a fake collect_data.py) is
+written into pytest's tmp_path and used as the "repo" the runner launches.
+"""
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parent.parent / "benchmark"
+sys.path.insert(0, str(BENCH))
+import aggregate  # noqa: E402
+import run_grid  # noqa: E402
+from run_grid import ALGORITHMS, Cell, expand_grid  # noqa: E402
+
+FAKE_ALGO = textwrap.dedent('''
+    """Fake algorithm script honouring the INTERFACES.md flags and result.json schema."""
+    import argparse, json, os, sys, time
+    p = argparse.ArgumentParser()
+    p.add_argument("--env-id", required=True)
+    p.add_argument("--epsilon", type=float, required=True)
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--total-steps", type=int, default=5000)
+    p.add_argument("--eval-frequency", type=int, default=1000)
+    p.add_argument("--eval-episodes", type=int, default=40)
+    p.add_argument("--runs-dir", default="runs")
+    p.add_argument("--run-name", required=True)
+    p.add_argument("--threads", type=int, default=1)
+    args, extra = p.parse_known_args()
+    hp = {extra[i].lstrip("-").replace("-", "_"): float(extra[i + 1]) for i in range(0, len(extra), 2)}
+    algo = os.path.splitext(os.path.basename(__file__))[0]
+    if os.environ.get("FAKE_CALLS"):
+        with open(os.environ["FAKE_CALLS"], "a") as f:
+            f.write(args.run_name + "\\n")
+    run_dir = os.path.join(args.runs_dir, args.run_name)
+    os.makedirs(run_dir, exist_ok=True)
+    if os.environ.get("FAKE_PIDS"):
+        with open(os.path.join(os.environ["FAKE_PIDS"], str(os.getpid())), "w") as f:
+            f.write(args.run_name)
+    time.sleep(float(os.environ.get("FAKE_SLEEP", "0")))
+    if os.environ.get("FAKE_FAIL") and os.environ["FAKE_FAIL"] in args.run_name:
+        print("fake failure: boom", file=sys.stderr)
+        sys.exit(3)
+    if os.environ.get("FAKE_NO_RESULT") and os.environ["FAKE_NO_RESULT"] in args.run_name:
+        sys.exit(0)
+    n = args.total_steps // args.eval_frequency
+    evals = [{"step": (k + 1) * args.eval_frequency, "return_mean": 10.0 * args.seed + k, "return_std": 1.0}
+             for k in range(n)]
+    last = evals[-10:]
+    result = {"algorithm": algo, "env_id": args.env_id, "epsilon": args.epsilon, "seed": args.seed,
+              "args": {**{k: v for k, v in vars(args).items()}, **hp}, "evaluations": evals,
+              "final_score": sum(e["return_mean"] for e in last) / len(last), "behavior_return": 5.0,
+              "wall_time": 0.1, "train_time": 0.05, "eval_time": 0.05, "updates_per_second": 1e5,
+              "dataset_path": "x.npz", "format_version": 1, "extra": {}}
+    tmp = os.path.join(run_dir, "result.json.tmp")
+    with open(tmp, "w") as f:
+        json.dump(result, f)
+    os.replace(tmp, os.path.join(run_dir, "result.json"))
+    print("done", algo, args.run_name)
+''')
+
+FAKE_COLLECT = textwrap.dedent('''
+    import argparse, os
+    p = argparse.ArgumentParser()
+    p.add_argument("--env-id", required=True)
+    p.add_argument("--epsilon", type=float, nargs="+", required=True)
+    a = p.parse_args()
+    if os.environ.get("FAKE_CALLS"):
+        with open(os.environ["FAKE_CALLS"], "a") as f:
+            f.write("collect " + a.env_id + " " + " ".join(format(e, "g") for e in a.epsilon) + "\\n")
+    os.makedirs("datasets", exist_ok=True)
+    for e in a.epsilon:
+        with open(os.path.join("datasets", f"{a.env_id}_eps{e:g}.npz"), "wb") as f:
+            f.write(b"fake")
+''')
+
+
+@pytest.fixture
+def repo(tmp_path, monkeypatch):
+    """A fake repo: the seven algorithm scripts + collect_data.py, all fakes."""
+    root = tmp_path / "repo"
+    root.mkdir()
+    for script, _ in ALGORITHMS.values():
+        (root / script).write_text(FAKE_ALGO)
+    (root / "collect_data.py").write_text(FAKE_COLLECT)
+    monkeypatch.setenv("FAKE_CALLS", str(tmp_path / "calls.txt"))
+    for var in ("FAKE_FAIL", "FAKE_NO_RESULT", "FAKE_SLEEP", "FAKE_PIDS"):
+        monkeypatch.delenv(var, raising=False)
+    return root
+
+
+def calls(tmp_path) -> list[str]:
+    path = tmp_path / "calls.txt"
+    return path.read_text().splitlines() if path.exists() else []
+
+
+def small_grid_args(repo, out, *extra):
+    return ["--repo", str(repo), "--out", str(out), "--envs", "CartPole-v1", "--epsilons", "0.05", "1.0",
+            "--algos", "brpo", "dqn", "--seeds", "1", "2", "--total-steps", "3000", "--eval-frequency", "1000",
+            "--workers", "2", *extra]
+
+
+# ----------------------------------------------------------------------------------------------
+# grid expansion
+# ----------------------------------------------------------------------------------------------
+def test_paper_grid_counts_and_unique_names():
+    cells = expand_grid(run_grid.ENVS, run_grid.PAPER_EPSILONS, list(ALGORITHMS), run_grid.PAPER_SEEDS)
+    assert len(cells) == 3 * 5 * 7 * 5
+    assert len({c.run_name for c in cells}) == len(cells)
+    assert len(set(cells)) == len(cells)
+    c = Cell("Acrobot-v1", 0.15, "brpo", 3)
+    assert c.run_name == "Acrobot-v1/eps0.15/brpo/seed3"
+    assert Cell("CartPole-v1", 1.0, "brpo_c", 1, (("lam", 0.5),)).run_name == "CartPole-v1/eps1/brpo_c__lam=0.5/seed1"
+
+
+def test_sweep_expansion_counts_and_dedup():
+    grid = run_grid.merge_grids(run_grid.parse_sweep("brpo_c:lam=0.25,0.5,0.75,0.5", ["brpo_c", "dqn"]),
+                                run_grid.parse_sweep("all:learning-rate=0.001,0.0003", ["brpo_c", "dqn"]))
+    cells = expand_grid(["CartPole-v1", "Acrobot-v1"], [0.05, 0.5], ["brpo_c", "dqn"], [1, 2, 3], grid)
+    # brpo_c: 3 lam (duplicate 0.5 dropped) x 2 lr; dqn: 2 lr
+    assert len(cells) == 2 * 2 * (3 * 2 + 2) * 3
+    assert len({c.run_name for c in cells}) == len(cells)
+    assert {dict(c.hparams)["lam"] for c in cells if c.algo == "brpo_c"} == {0.25, 0.5, 0.75}
+
+
+def test_paper_sweep_file_matches_paper_ranges():
+    algos = list(ALGORITHMS)
+    grid = run_grid.load_grid_file(BENCH / "paper_sweep.json", algos)
+    assert grid["brpo_c"]["lam"] == [0.25, 0.33, 0.5, 0.66, 0.75]
+    assert grid["brpo"]["confidence_learning_rate"] == [0.0002, 0.0001]
+    assert grid["dqn"]["target_update_frequency"] == [150, 500, 1500]
+    assert grid["klq"]["kl_weight"] == [0.01, 0.03, 0.1, 0.3]
+    cells = expand_grid(["CartPole-v1"], [0.5], algos, [1], grid)
+    expected = sum(math.prod(len(v) for v in grid[a].values()) for a in algos)
+    assert len(cells) == expected == 9 + 135 + 54 + 36 + 36 + 36 + 3
+    assert len({c.run_name for c in cells}) == len(cells)
+    assert run_grid.unknown_flag_warnings(grid) == []
+
+
+def test_command_format():
+    cell = Cell("Acrobot-v1", 0.15, "brpo", 3, (("mu", 0.5),))
+    cmd = run_grid.build_command(cell, {"total_steps": 20000, "eval_frequency": None}, Path("/o"), "python", 1)
+    assert cmd[:2] == ["python", "brpo.py"]
+    text = " ".join(cmd)
+    assert "--env-id Acrobot-v1 --epsilon 0.15 --seed 3 --total-steps 20000 --mu 0.5 --threads 1" in text
+    assert "--eval-frequency" not in text
+    assert text.endswith("--runs-dir /o --run-name Acrobot-v1/eps0.15/brpo__mu=0.5/seed3")
+
+
+# ----------------------------------------------------------------------------------------------
+# CLI errors and dry-run
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("argv, message", [
+    (["--algos", "sac"], "unknown algorithm 'sac'"),
+    (["--envs", "Pong-v5"], "unknown env 'Pong-v5'"),
+    (["--envs", "LunarLander-v2"], "use LunarLander-v3"),
+    (["--sweep", "brpo_c-lam"], "bad --sweep"),
+    (["--sweep", "brpo:seed=1,2"], "cannot be swept"),
+    (["--grid", "/nonexistent.json"], "not found"),
+])
+def test_bad_input_one_line_error(argv, message, capsys, tmp_path):
+    assert run_grid.main(["--dry-run", "--out", str(tmp_path), *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("run_grid.py: error:") and message in err[0]
+
+
+def test_missing_scripts_error(tmp_path, capsys):
+    assert run_grid.main(["--repo", str(tmp_path), "--out", str(tmp_path / "o"), "--no-collect"]) == 2
+    assert "not found" in capsys.readouterr().err
+
+
+def test_dry_run_prints_commands_and_runs_nothing(repo, tmp_path, capsys):
+    out = tmp_path / "out"
+    assert run_grid.main(small_grid_args(repo, out, "--dry-run")) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0].endswith("collect_data.py --env-id CartPole-v1 --epsilon 0.05 1")
+    algo_lines = lines[1:]
+    assert len(algo_lines) == 1 * 2 * 2 * 2
+    assert all("--threads 1" in line and f"--runs-dir {out}" in line for line in algo_lines)
+    assert any("brpo.py --env-id CartPole-v1 --epsilon 1 --seed 2 --total-steps 3000" in line for line in algo_lines)
+    assert not out.exists() and calls(tmp_path) == [] and not (repo / "datasets").exists()
+
+
+# ----------------------------------------------------------------------------------------------
+# local execution: datasets, resume, failures, Ctrl-C
+# ----------------------------------------------------------------------------------------------
+def test_run_creates_datasets_then_results_and_resumes(repo, tmp_path, capsys):
+    out = tmp_path / "out"
+    assert run_grid.main(small_grid_args(repo, out)) == 0
+    first = calls(tmp_path)
+    assert first[0] == "collect CartPole-v1 0.05 1"  # datasets first, one call per env
+    assert len(first) == 1 + 8
+    cells = expand_grid(["CartPole-v1"], [0.05, 1.0], ["brpo", "dqn"], [1, 2])
+    for cell in cells:
+        assert run_grid.check_result(cell.run_dir(out) / "result.json", cell, {"total_steps": 3000}) is None
+        assert "done" in (cell.run_dir(out) / "run.log").read_text()
+    assert "8/8 done" in capsys.readouterr().out
+
+    # damage some results: truncated JSON, too few evaluations, missing final_score, deleted
+    broken = {cells[0]: "truncated", cells[1]: "short", cells[2]: "noscore", cells[3]: "deleted"}
+    for cell, how in broken.items():
+        path = cell.run_dir(out) / "result.json"
+        data = json.loads(path.read_text())
+        if how == "truncated":
+            path.write_text(path.read_text()[:50])
+        elif how == "short":
+            data["evaluations"] = data["evaluations"][:1]
+            path.write_text(json.dumps(data))
+        elif how == "noscore":
+            del data["final_score"]
+            path.write_text(json.dumps(data))
+        else:
+            path.unlink()
+    (tmp_path / "calls.txt").unlink()
+    assert run_grid.main(small_grid_args(repo, out)) == 0
+    assert sorted(calls(tmp_path)) == sorted(c.run_name for c in broken)  # only those reran, no re-collect
+    for cell in cells:
+        assert run_grid.check_result(cell.run_dir(out) / "result.json", cell, {}) is None
+
+    # a different number of steps makes every old result stale
+    (tmp_path / "calls.txt").unlink()
+    capsys.readouterr()
+    assert run_grid.main(small_grid_args(repo, out, "--dry-run", "--total-steps", "4000")) == 0
+    assert len(capsys.readouterr().out.strip().splitlines()) == 8
+    # nothing left to do with the original settings
+    assert run_grid.main(small_grid_args(repo, out)) == 0
+    assert calls(tmp_path) == []
+
+
+def test_failures_reported_with_logs_and_nonzero_exit(repo, tmp_path, capsys, monkeypatch):
+    out = tmp_path / "out"
+    monkeypatch.setenv("FAKE_FAIL", "/dqn/seed2")
+    monkeypatch.setenv("FAKE_NO_RESULT", "eps0.05/brpo/seed1")
+    assert run_grid.main(small_grid_args(repo, out)) == 1
+    text = capsys.readouterr().out
+    assert "3 failed run(s):" in text
+    for name, reason in [("CartPole-v1/eps0.05/dqn/seed2", "exit code 3"),
+                         ("CartPole-v1/eps1/dqn/seed2", "exit code 3"),
+                         ("CartPole-v1/eps0.05/brpo/seed1", "no result.json")]:
+        log = out / name / "run.log"
+        assert f"  {name}: {reason}; log: {log}" in text
+        assert not (out / name / "result.json").exists()
+    assert "fake failure: boom" in (out / "CartPole-v1/eps1/dqn/seed2/run.log").read_text()
+    # resume reruns exactly the failed ones
+    monkeypatch.delenv("FAKE_FAIL")
+    monkeypatch.delenv("FAKE_NO_RESULT")
+    (tmp_path / "calls.txt").unlink()
+    assert run_grid.main(small_grid_args(repo, out)) == 0
+    assert len(calls(tmp_path)) == 3
+
+
+def test_ctrl_c_terminates_children(repo, tmp_path):
+    out, pids = tmp_path / "out", tmp_path / "pids"
+    pids.mkdir()
+    (repo / "datasets").mkdir()
+    env = dict(os.environ, FAKE_SLEEP="60", FAKE_PIDS=str(pids))
+    proc = subprocess.Popen([sys.executable, str(BENCH / "run_grid.py"), *small_grid_args(repo, out, "--no-collect")],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 15
+    while len(list(pids.iterdir())) < 2 and time.time() < deadline:
+        time.sleep(0.05)
+    children = [int(p.name) for p in pids.iterdir()]
+    assert len(children) == 2
+    proc.send_signal(signal.SIGINT)
+    output, _ = proc.communicate(timeout=20)
+    assert proc.returncode == 130, output
+    assert "interrupted" in output
+    for pid in children:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    assert not list(out.rglob("result.json"))
+
+
+# ----------------------------------------------------------------------------------------------
+# Slurm
+# ----------------------------------------------------------------------------------------------
+def test_slurm_every_cell_maps_to_exactly_one_index(repo, tmp_path, capsys):
+    out = tmp_path / "out"
+    args = small_grid_args(repo, out, "--slurm", "--sweep", "brpo:mu=0.1,0.9", "--slurm-max-parallel", "4",
+                           "--slurm-array-max", "5")
+    assert run_grid.main(args) == 0
+    sdir = out / "slurm"
+    lines = (sdir / "commands.txt").read_text().splitlines()
+    cells = expand_grid(["CartPole-v1"], [0.05, 1.0], ["brpo", "dqn"], [1, 2], {"brpo": {"mu": [0.1, 0.9]}})
+    assert len(lines) == len(cells) == 2 * (2 + 1) * 2  # eps x (2 brpo configs + dqn) x seeds
+    scripts = sorted(sdir.glob("grid_*.sbatch"))
+    assert [p.name for p in scripts] == ["grid_000.sbatch", "grid_001.sbatch", "grid_002.sbatch"]  # 5 + 5 + 2
+
+    # resolve (script, array index) -> commands.txt line exactly as the sbatch scripts do
+    mapping = {}
+    for script in scripts:
+        text = script.read_text()
+        assert "SLURM_ARRAY_TASK_ID" in text and subprocess.run(["bash", "-n", str(script)]).returncode == 0
+        size = int(text.split("#SBATCH --array=0-")[1].split("%4")[0]) + 1
+        offset = int(text.split("OFFSET=")[1].split()[0])
+        for t in range(size):
+            mapping[(script.name, t)] = lines[offset + t]
+    assert len(mapping) == len(cells)
+    for cell in cells:
+        hits = [key for key, line in mapping.items() if f"--run-name {cell.run_name} " in line + " "]
+        assert len(hits) == 1, cell.run_name
+    table = [row.split("\t") for row in (sdir / "cells.tsv").read_text().splitlines()[1:]]
+    assert sorted(int(r[0]) for r in table) == list(range(len(cells)))
+    assert {Path(r[3]) for r in table} == {c.run_dir(out) for c in cells}
+    assert all(f"--run-name {Path(r[3]).relative_to(out)} " in mapping[(r[1], int(r[2]))] + " " for r in table)
+    submit = (sdir / "submit.sh").read_text()
+    assert "collect.sbatch" in submit and submit.count("--dependency=afterok:$jid grid_") == 3
+    assert "collect_data.py --env-id CartPole-v1 --epsilon 0.05 1" in (sdir / "collect.sbatch").read_text()
+    assert not list(out.rglob("result.json"))
+
+    # execute two array tasks the way Slurm would and check they produce their cell's result
+    for sbatch, index, run_dir in (table[0][1:], table[-1][1:]):
+        env = dict(os.environ, SLURM_ARRAY_TASK_ID=index)
+        assert subprocess.run(["bash", str(sdir / sbatch)], env=env, capture_output=True).returncode == 0
+        assert (Path(run_dir) / "result.json").is_file() and (Path(run_dir) / "run.log").is_file()
+    # regenerating skips the finished cells; the rest still map one-to-one
+    assert run_grid.main(args) == 0
+    assert len((sdir / "commands.txt").read_text().splitlines()) == len(cells) - 2
+    assert len(list(sdir.glob("grid_*.sbatch"))) == 2
+
+
+# ----------------------------------------------------------------------------------------------
+# aggregation
+# ----------------------------------------------------------------------------------------------
+def write_result(root, env, eps, algo, seed, score, config=None, hparams=None, behavior=50.0, n_evals=12,
+                 freq=1000):
+    config = config or algo
+    run_dir = Path(root) / env / f"eps{eps:g}" / config / f"seed{seed}"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    evals = [{"step": (k + 1) * freq, "return_mean": score + k - (n_evals - 1), "return_std": 1.0}
+             for k in range(n_evals)]
+    args = {"env_id": env, "epsilon": eps, "seed": seed, "total_steps": n_evals * freq, "eval_frequency": freq,
+            "eval_episodes": 40, "run_name": f"{env}/{config}/seed{seed}", **(hparams or {})}
+    data = {"algorithm": ALGORITHMS[algo][1], "env_id": env, "epsilon": eps, "seed": seed, "args": args,
+            "evaluations": evals, "final_score": score, "behavior_return": behavior, "wall_time": 1.0,
+            "train_time": 1.0, "eval_time": 0.1, "updates_per_second": 1000.0, "dataset_path": "d.npz",
+            "format_version": 1, "extra": {}}
+    (run_dir / "result.json").write_text(json.dumps(data))
+    return run_dir
+
+
+def table_row(text, label):
+    row = next(line for line in text.splitlines() if line.startswith(f"| {label} |"))
+    return [c.strip() for c in row.strip("|").split("|")][1:]
+
+
+def test_aggregate_table_stats_top2_missing(tmp_path, capsys):
+    res = tmp_path / "res"
+    scores = {"dqn": [10, 20, 30], "brpo_c": [40, 50, 60], "brpo": [100, 110, 120], "bcq": [0, 0, 0],
+              "klq": [70, 80], "spibb": [5]}  # bc missing entirely, klq/spibb partial
+    for algo, vals in scores.items():
+        for seed, v in enumerate(vals, start=1):
+            write_result(res, "Acrobot-v1", 0.15, algo, seed, float(v), behavior=-114.0)
+    # LunarLander-v3 results are compared with the paper's LunarLander-v2 row
+    for seed in (1, 2, 3):
+        write_result(res, "LunarLander-v3", 0.5, "brpo", seed, 100.0 + seed, behavior=-36.0)
+    (res / "junk" / "seed1").mkdir(parents=True)
+    (res / "junk" / "seed1" / "result.json").write_text("{not json")
+    assert aggregate.main([str(res)]) == 0
+    text = (res / "report" / "table1.md").read_text()
+    assert "| Acrobot-v1-0.15 |" in capsys.readouterr().out  # the table is also printed
+    cols = table_row(text, "Acrobot-v1-0.15")
+    labels = [ALGORITHMS[a][1] for a in ALGORITHMS]
+    cell = dict(zip(labels + ["Behavior"], cols))
+    assert cell["DQN"] == "20.0 ± 10.0 (paper -83.1)"  # sample std (ddof=1)
+    assert cell["BRPO"] == "**110.0 ± 10.0** (paper -86.1)"
+    assert cell["KL-Q"] == f"**75.0 ± {math.sqrt(50):.1f}** n=2/3 (paper -92.1)"
+    assert cell["SPIBB"] == "5.0 n=1/3 (paper -91.1)"
+    assert cell["BC"] == "— n=0/3 (paper -113.1)"
+    assert cell["BCQ"] == "0.0 ± 0.0 (paper -97.1)"
+    assert cell["Behavior"] == "-114.0 (paper -114.3)"
+    assert sum("**" in c for c in cols) == 2
+    ll = dict(zip(labels + ["Behavior"], table_row(text, "LunarLander-v3-0.50")))
+    assert ll["BRPO"] == "**102.0 ± 1.0** (paper 101.0)" and ll["Behavior"] == "-36.0 (paper -36.0)"
+    assert "n=0/3" in ll["DQN"]
+    assert "sample** standard deviation (ddof=1)" in text
+    assert "total_steps = 12000" in text and "eval_episodes = 40" in text and "seeds = 1, 2, 3" in text
+    assert "1 invalid/unfinished skipped" in text and "junk" in text
+    assert "CartPole-v1-0.05" in text  # paper rows without results are listed
+    summary = {line.split("|")[1].strip(): [c.strip() for c in line.strip("|").split("|")]
+               for line in text.split("## Summary")[1].splitlines() if line.startswith("| ") and "Algorithm" not in line}
+    assert summary["BRPO"][1:4] == ["2", "2", "2"]  # rows, top-2 (ours), top-2 (paper, same rows)
+    assert summary["BRPO"][4] == "2"                # at or above behaviour in both rows
+    assert summary["BC"][1] == "0"
+    for env in ("Acrobot-v1", "LunarLander-v3"):
+        png = res / "report" / f"curves_{env}.png"
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not list((res / "report").glob(".*tmp*"))
+    rows = list(csv.DictReader(open(res / "report" / "configs.csv")))
+    assert {r["algorithm"] for r in rows} == {"DQN", "BRPO-C", "BRPO", "BCQ", "KL-Q", "SPIBB"}
+
+
+def test_aggregate_selects_best_config_and_says_so(tmp_path):
+    res = tmp_path / "res"
+    for lam, base in ((0.25, 10.0), (0.5, 30.0), (0.75, 20.0)):
+        for seed in (1, 2):
+            write_result(res, "CartPole-v1", 0.25, "brpo_c", seed, base + seed, config=f"brpo_c__lam={lam}",
+                         hparams={"lam": lam})
+    # a config with more score but fewer seeds is not preferred over complete ones
+    write_result(res, "CartPole-v1", 0.25, "brpo_c", 1, 999.0, config="brpo_c__lam=0.33", hparams={"lam": 0.33})
+    for seed in (1, 2):
+        write_result(res, "CartPole-v1", 0.25, "dqn", seed, 5.0 + seed)
+    assert aggregate.main([str(res), "--out", str(tmp_path / "rep"), "--no-plots"]) == 0
+    text = (tmp_path / "rep" / "table1.md").read_text()
+    assert "31.5 ± 0.7" in table_row(text, "CartPole-v1-0.25")[1]
+    assert "| CartPole-v1-0.25 | BRPO-C | lam=0.5 | 31.5 | 4:" in text
+    rows = list(csv.DictReader(open(tmp_path / "rep" / "configs.csv")))
+    selected = [r for r in rows if r["selected"] == "1"]
+    assert {(r["algorithm"], r["config"]) for r in selected} == {("BRPO-C", "lam=0.5"), ("DQN", "default")}
+    # a single non-default configuration is named after its run directory
+    write_result(res, "Acrobot-v1", 0.25, "klq", 1, 1.0, config="klq__kl_weight=0.3", hparams={"kl_weight": 0.3})
+    assert aggregate.main([str(res), "--out", str(tmp_path / "rep"), "--no-plots"]) == 0
+    rows = list(csv.DictReader(open(tmp_path / "rep" / "configs.csv")))
+    assert [r["config"] for r in rows if r["algorithm"] == "KL-Q"] == ["kl_weight=0.3"]
+    assert not list((tmp_path / "rep").glob("*.png"))
+
+
+def test_aggregate_learning_curve_stats():
+    runs = [aggregate.Run(Path(f"/x/seed{s}/result.json"), "CartPole-v1", 0.5, "dqn", s, 0.0, None,
+                          [1000, 2000, 3000], [float(s), 2.0 * s, 3.0 * s], {}) for s in (1, 2, 3)]
+    steps, means, ses = aggregate.curve(aggregate.Config("g", runs), smooth=1)
+    assert steps == [1000, 2000, 3000] and means == [2.0, 4.0, 6.0]
+    assert ses[0] == pytest.approx(1.0 / math.sqrt(3))
+
+
+def test_aggregate_errors(tmp_path, capsys):
+    assert aggregate.main([str(tmp_path / "nope")]) == 2
+    assert capsys.readouterr().err.strip() == f"aggregate.py: error: results directory '{tmp_path / 'nope'}' does not exist"
+    (tmp_path / "empty").mkdir()
+    assert aggregate.main([str(tmp_path / "empty")]) == 2
+    assert "no valid result.json" in capsys.readouterr().err
+
+
+def test_paper_csv_shipped():
+    rows = list(csv.DictReader(open(BENCH / "paper_table1.csv")))
+    assert len(rows) == 3 * 5 * 8
+    assert {r["env_id"] for r in rows} == {"CartPole-v1", "Acrobot-v1", "LunarLander-v2"}
+    paper = aggregate.load_paper(BENCH / "paper_table1.csv")
+    assert paper[("LunarLander-v3", 0.25, "BRPO")][:2] == (141.6, 11.0)
+    assert sum(top for _, _, top in paper.values()) == 15 * 2
+
+
+# ----------------------------------------------------------------------------------------------
+# shell presets
+# ----------------------------------------------------------------------------------------------
+def _shell_env(tmp_path, **extra):
+    env = dict(os.environ, OUT=str(tmp_path / "out"), **extra)
+    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env["PATH"]  # `python` = this interpreter
+    return env
+
+
+@pytest.mark.parametrize("script, runs", [("table1.sh", 3 * 5 * 7 * 5), ("quick.sh", 3 * 5 * 7 * 3)])
+def test_shell_presets_dry_run(script, runs, repo, tmp_path):
+    proc = subprocess.run(["bash", str(BENCH / script), "--dry-run", "--repo", str(repo)],
+                          env=_shell_env(tmp_path), capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.strip().splitlines()
+    assert sum("collect_data.py" in line for line in lines) == 3
+    assert len(lines) == 3 + runs
+    assert all("--eval-frequency 1000 --eval-episodes 40" in line for line in lines[3:])
+    if script == "quick.sh":
+        assert all("--total-steps 20000" in line for line in lines[3:])
+    else:
+        assert not any("--total-steps" in line for line in lines[3:])  # scripts' (paper) defaults
+
+
+def test_shell_preset_runs_and_aggregates(repo, tmp_path):
+    """table1.sh end to end on the fake scripts, restricted to 4 runs by overriding the grid flags."""
+    proc = subprocess.run(["bash", str(BENCH / "table1.sh"), "--repo", str(repo), "--envs", "CartPole-v1",
+                           "--epsilons", "0.5", "--algos", "dqn", "bc", "--total-steps", "2000"],
+                          env=_shell_env(tmp_path, SEEDS="1 2 3", FAKE_FAIL="bc/seed3"), capture_output=True, text=True)
+    assert proc.returncode == 1, proc.stdout + proc.stderr  # one failed run -> non-zero, report still written
+    assert "CartPole-v1/eps0.5/bc/seed3: exit code 3; log: " in proc.stdout
+    report = tmp_path / "out" / "report" / "table1.md"
+    assert report.is_file() and (tmp_path / "out" / "report" / "curves_CartPole-v1.png").is_file()
+    text = report.read_text()
+    assert "| CartPole-v1-0.50 |" in text and "python benchmark/run_grid.py" in text  # invocation recorded
+    assert "n=2/3" in text and "seeds = 1, 2, 3" in text
+
+
+def test_failed_dataset_collection_blocks_its_runs(repo, tmp_path, capsys):
+    (repo / "collect_data.py").write_text("import sys; print('no behaviour policy'); sys.exit(1)\n")
+    out = tmp_path / "out"
+    assert run_grid.main(small_grid_args(repo, out)) == 1
+    text = capsys.readouterr().out
+    assert f"collect CartPole-v1: exit code 1; log: {out / 'logs' / 'collect_CartPole-v1.log'}" in text
+    assert "9 failed run(s)" in text and "dataset missing (collect_data.py failed)" in text
+    assert calls(tmp_path) == []  # no algorithm script was started
+    assert "no behaviour policy" in (out / "logs" / "collect_CartPole-v1.log").read_text()
