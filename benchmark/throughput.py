@@ -45,6 +45,8 @@ class Args:
     """measurements per script and of the reference; the best is kept (least disturbed by the OS)"""
     eval_share_steps: int = 10_000
     """updates of the run that measures the evaluation share (0 skips it)"""
+    reference_only: bool = False
+    """internal: print the reference loop's updates/s for this environment and exit"""
 
 
 def reference_updates_per_second(obs_dim: int, n_actions: int, n: int) -> float:
@@ -77,6 +79,11 @@ def reference_updates_per_second(obs_dim: int, n_actions: int, n: int) -> float:
     return n / (time.perf_counter() - start)
 
 
+def reference_in_subprocess(args: Args) -> float:
+    cmd = [sys.executable, __file__, "--env-id", args.env_id, "--updates", str(args.updates), "--reference-only"]
+    return float(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.strip())
+
+
 def run_script(script: str, args: Args, steps: int, eval_frequency: int, eval_episodes: int, out: Path) -> dict | None:
     name = f"{Path(script).stem}_{steps}_{eval_frequency}"
     cmd = [sys.executable, str(REPO / script), "--env-id", args.env_id, "--epsilon", f"{args.epsilon:g}",
@@ -94,6 +101,9 @@ def main(args: Args) -> None:
 
     env = gym.make(args.env_id)
     obs_dim, n_actions = env.observation_space.shape[0], env.action_space.n
+    if args.reference_only:
+        print(reference_updates_per_second(obs_dim, n_actions, args.updates))
+        return
     present = [s for s in args.scripts if (REPO / s).exists()]
     for s in sorted(set(args.scripts) - set(present)):
         print(f"{s}: not in the repository yet, skipped")
@@ -104,14 +114,17 @@ def main(args: Args) -> None:
                         "--epsilon", f"{args.epsilon:g}"], check=True, capture_output=True)
         rows = []
         for script in present:
-            ref = max(reference_updates_per_second(obs_dim, n_actions, args.updates) for _ in range(args.repeats))
-            results = [run_script(script, args, args.updates, args.updates, 1, out) for _ in range(args.repeats)]
+            # Alternate reference and script, each in a fresh process, and keep the best of each:
+            # interference from other processes only ever slows a measurement down.
+            refs, results = [], []
+            for _ in range(args.repeats):
+                refs.append(reference_in_subprocess(args))
+                results.append(run_script(script, args, args.updates, args.updates, 1, out))
             if any(r is None for r in results):
                 continue
-            ups = max(r["updates_per_second"] for r in results)
-            rows.append((script, ups, ref))
+            rows.append((script, max(r["updates_per_second"] for r in results), max(refs)))
         print(f"\ntraining throughput on {args.env_id} eps {args.epsilon:g} (updates/s, one thread; "
-              f"reference = minimal torch DQN update measured right before each script)")
+              f"reference = minimal torch DQN update, best of {args.repeats} fresh processes alternated with the script's)")
         print(f"{'script':<18}{'updates/s':>11}{'reference':>11}{'ratio':>8}{'target':>8}  ok")
         for script, ups, ref in rows:
             t = TARGETS.get(script, 0.0)
