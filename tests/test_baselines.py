@@ -1,0 +1,305 @@
+"""The baselines BCQ (bcq_discrete.py), KL-Q (klq.py) and SPIBB (spibb.py): each one's defining
+invariant on its own functions, no NaN/inf at epsilon 0.05, 0 and 1, and short end-to-end runs
+(result.json, determinism, checkpoints). The contract shared with every script is in test_common.py."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import math
+import re
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import REPO, make_dataset, run
+
+BASELINES = ("bcq_discrete.py", "klq.py", "spibb.py")
+TINY = dict(env_id="CartPole-v1", total_steps=300, eval_frequency=100, eval_episodes=2, tensorboard=False)
+
+
+def load_script(name):
+    """Import a script as a module (tests may; scripts never import each other)."""
+    spec = importlib.util.spec_from_file_location(f"baseline_{name[:-3]}", REPO / name)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve annotations through sys.modules
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def bcq():
+    return load_script("bcq_discrete.py")
+
+
+@pytest.fixture(scope="module")
+def klq():
+    return load_script("klq.py")
+
+
+@pytest.fixture(scope="module")
+def spibb():
+    return load_script("spibb.py")
+
+
+@pytest.fixture(scope="module")
+def data(datasets, tmp_path_factory):
+    """Tiny CartPole datasets at eps 0.05 (made here), 0 and 1 (shared with test_common.py)."""
+    eps005 = make_dataset(tmp_path_factory.mktemp("baselines") / "d.npz", epsilon=0.05)
+    return {0.05: eps005, 0.0: datasets[0.0], 1.0: datasets[1.0]}
+
+
+def train_in_process(module, dataset, epsilon, runs_dir, run_name, **overrides):
+    args = dataclasses.replace(module.Args(), **{**TINY, "epsilon": epsilon, "dataset_path": str(dataset),
+                                                 "runs_dir": str(runs_dir), "run_name": run_name, **overrides})
+    module.main(args)
+    return json.loads((runs_dir / run_name / "result.json").read_text())
+
+
+def random_beta(n, n_actions, epsilon, generator):
+    """epsilon-greedy distributions with a random greedy action, as in the datasets."""
+    greedy = torch.randint(n_actions, (n,), generator=generator)
+    beta = torch.full((n, n_actions), epsilon / n_actions)
+    beta[torch.arange(n), greedy] += 1.0 - epsilon
+    return beta
+
+
+# ----------------------------------------------------------------------------------------------
+# BCQ
+def test_bcq_allowed_set_is_the_ratio_rule(bcq):
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(500, 4, generator=g) * 3
+    probs = torch.softmax(logits.double(), 1)
+    ratio = probs / probs.max(1, keepdim=True).values
+    for tau in (0.1, 0.3, 0.5, 0.9):
+        allowed = bcq.allowed_actions(logits, bcq.log_threshold(tau))
+        clear = (ratio - tau).abs() > 1e-5  # away from float ties
+        assert torch.equal(allowed[clear], (ratio >= tau)[clear])
+        assert allowed.gather(1, logits.argmax(1, keepdim=True)).all()  # the most likely action always is
+    assert bcq.allowed_actions(logits, bcq.log_threshold(0.0)).all()
+    assert torch.equal(bcq.allowed_actions(logits, bcq.log_threshold(1.0)).sum(1), torch.ones(500, dtype=torch.long))
+
+
+def test_bcq_acts_and_bootstraps_only_on_allowed_actions(bcq):
+    torch.manual_seed(0)
+    net, target = bcq.BCQNetwork(4, 3), bcq.BCQNetwork(4, 3)
+    with torch.no_grad():  # make the imitation net confident and the Q-net prefer other actions
+        net.w2[1].mul_(20.0)
+        net.w2[0].mul_(-50.0)
+        target.w2[0].mul_(1e6)  # huge finite target values must not leak NaN either
+    obs = torch.randn(2000, 4) * 2
+    log_tau = bcq.log_threshold(0.3)
+    with torch.no_grad():
+        q, logits = net(obs)
+        allowed = bcq.allowed_actions(logits, log_tau)
+        assert not allowed.all(), "test needs disallowed actions"
+        assert (q.argmax(1) != bcq.masked_argmax(q, allowed)).any(), "test needs the unconstrained argmax to be disallowed"
+        actions = torch.as_tensor(bcq.greedy_policy(net, log_tau)(obs.numpy()))
+        assert allowed.gather(1, actions[:, None]).all()
+        best_allowed = torch.where(allowed, q, -math.inf).max(1).values
+        assert torch.equal(q.gather(1, actions[:, None]).squeeze(1), best_allowed)
+
+        rewards, not_done = torch.randn(2000), (torch.rand(2000) > 0.1).float()
+        y, next_allowed = bcq.bcq_target(net, target, obs, rewards, not_done, 0.99, log_tau)
+        assert torch.equal(next_allowed, allowed) and torch.isfinite(y).all()
+        # The target is the TARGET network's value of the ONLINE network's best allowed action.
+        q_target = target(obs)[0]
+        expected = rewards + 0.99 * q_target.gather(1, actions[:, None]).squeeze(1) * not_done
+        assert torch.equal(y, expected)
+        # ... never the value of the unconstrained choice when that one is disallowed.
+        unconstrained = q.argmax(1)
+        rows = ~allowed.gather(1, unconstrained[:, None]).squeeze(1) & (not_done > 0)
+        rows &= q_target.gather(1, unconstrained[:, None]).squeeze(1) != q_target.gather(1, actions[:, None]).squeeze(1)
+        assert rows.sum() > 50
+        naive = rewards + 0.99 * q_target.gather(1, unconstrained[:, None]).squeeze(1) * not_done
+        assert (y[rows] != naive[rows]).all()
+
+
+def test_bcq_networks_are_two_independent_towers(bcq):
+    torch.manual_seed(1)
+    net = bcq.BCQNetwork(4, 2)
+    x = torch.randn(7, 4)
+    q, logits = net(x)
+    for tower, out in ((0, q), (1, logits)):
+        h = torch.relu(x @ net.w0[tower] + net.b0[tower])
+        h = torch.relu(h @ net.w1[tower] + net.b1[tower])
+        assert torch.allclose(out, h @ net.w2[tower] + net.b2[tower], atol=1e-6)
+    # The imitation loss alone moves G only.
+    torch.nn.functional.cross_entropy(logits, torch.tensor([0, 1, 0, 1, 0, 1, 0])).backward()
+    assert all(p.grad[0].abs().sum() == 0 and p.grad[1].abs().sum() > 0 for p in net.parameters())
+
+
+# ----------------------------------------------------------------------------------------------
+# KL-Q
+@pytest.mark.parametrize("kl_calc", ["sample", "integral"])
+def test_klq_target_is_dqn_target_at_weight_zero(klq, kl_calc):
+    g = torch.Generator().manual_seed(0)
+    n, n_actions = 256, 3
+    rewards, not_done = torch.randn(n, generator=g), (torch.rand(n, generator=g) > 0.2).float()
+    next_q, q = torch.randn(n, n_actions, generator=g) * 50, torch.randn(n, n_actions, generator=g) * 50
+    actions = torch.randint(n_actions, (n,), generator=g)
+    for beta in (random_beta(n, n_actions, 0.05, g), random_beta(n, n_actions, 0.0, g)):
+        dqn = rewards + 0.99 * next_q.max(1).values * not_done  # dqn_offline.py's target, same operations
+        assert torch.equal(klq.klq_target(rewards, not_done, next_q, q, actions, beta, 0.99, 0.0, kl_calc), dqn)
+        y = klq.klq_target(rewards, not_done, next_q, q, actions, beta, 0.99, 0.1, kl_calc)
+        assert torch.isfinite(y).all()
+        assert torch.allclose(y - dqn, klq.kl_reward(q, actions, beta, 0.1, kl_calc), atol=1e-4)
+
+
+def test_klq_reward_formulas_and_zero_probabilities(klq):
+    g = torch.Generator().manual_seed(1)
+    n, n_actions = 200, 4
+    q = torch.randn(n, n_actions, generator=g) * 30
+    actions = torch.randint(n_actions, (n,), generator=g)
+    log_pi = torch.log_softmax(q.double(), 1)
+    beta = random_beta(n, n_actions, 0.2, g)
+    sample = klq.kl_reward(q, actions, beta, 0.1, "sample")
+    expected = 0.1 * (beta.double().log() - log_pi).gather(1, actions[:, None]).squeeze(1)
+    assert torch.allclose(sample.double(), expected, atol=1e-4)
+    integral = klq.kl_reward(q, actions, beta, 0.1, "integral")
+    assert torch.allclose(integral.double(), -0.1 * (beta * (beta.double().log() - log_pi)).sum(1), atol=1e-4)
+    assert (integral <= 1e-6).all()  # a KL is never negative
+    # epsilon = 0: beta has exact zeros, the rewards stay finite (zeros of beta are floored / weighted by 0).
+    beta0 = random_beta(n, n_actions, 0.0, g)
+    for kl_calc in ("sample", "integral"):
+        assert torch.isfinite(klq.kl_reward(q, actions, beta0, 0.1, kl_calc)).all()
+    off_support = actions != beta0.argmax(1)
+    floored = 0.1 * (math.log(1e-8) - log_pi.gather(1, actions[:, None]).squeeze(1))  # log beta floored at 1e-8
+    assert torch.allclose(klq.kl_reward(q, actions, beta0, 0.1, "sample")[off_support].double(), floored[off_support], atol=1e-4)
+
+
+# ----------------------------------------------------------------------------------------------
+# SPIBB
+def test_spibb_policy_invariants(spibb):
+    g = torch.Generator().manual_seed(0)
+    n, n_actions = 1000, 4
+    q = torch.randn(n, n_actions, generator=g)
+    beta = torch.distributions.Dirichlet(torch.full((n_actions,), 0.7)).sample((n,))
+    beta[:100] = random_beta(100, n_actions, 0.0, g)  # exact zeros
+    for threshold in (0.0, 0.1, 0.2, 0.4, 1.0):
+        pi = spibb.spibb_policy(q, beta, threshold)
+        boot = beta < threshold
+        assert (pi >= 0).all() and torch.allclose(pi.sum(1), torch.ones(n), atol=1e-6)
+        assert torch.equal(pi[boot], beta[boot])  # beta kept on the bootstrapped set
+        free = ~boot
+        some_free = free.any(1)
+        # all the free mass goes to the best free action, the other free actions get nothing
+        best = torch.where(free, q, -math.inf).argmax(1)
+        free_mass = beta.masked_fill(boot, 0.0).sum(1)
+        rows = torch.arange(n)[some_free]
+        assert torch.allclose(pi[rows, best[some_free]], free_mass[some_free], atol=1e-6)
+        others = free.clone()
+        others[torch.arange(n), best] = False
+        assert (pi[others] == 0).all()
+        # every action bootstrapped: pi is beta
+        assert torch.equal(pi[~some_free], beta[~some_free])
+    uniform = torch.full((5, n_actions), 1.0 / n_actions)
+    assert torch.equal(spibb.spibb_policy(q[:5], uniform, 0.3), uniform)  # all bootstrapped
+    assert torch.equal(spibb.spibb_policy(q, beta, 0.0), torch.nn.functional.one_hot(q.argmax(1), n_actions).float())
+
+
+@pytest.mark.parametrize("epsilon", [0.0, 0.05, 0.5, 1.0])
+def test_spibb_target_is_expectation_under_pi_spibb(spibb, epsilon):
+    g = torch.Generator().manual_seed(2)
+    n, n_actions = 512, 3
+    rewards, not_done = torch.randn(n, generator=g), (torch.rand(n, generator=g) > 0.2).float()
+    next_q = torch.randn(n, n_actions, generator=g) * 100
+    beta = random_beta(n, n_actions, epsilon, g)
+    for threshold in (0.0, 0.2, 0.4, 1.0):
+        y = spibb.spibb_target(rewards, not_done, next_q, *spibb.spibb_constants(beta, threshold), 0.99)
+        pi = spibb.spibb_policy(next_q, beta, threshold)
+        assert torch.isfinite(y).all()
+        assert torch.allclose(y, rewards + 0.99 * (pi * next_q).sum(1) * not_done, atol=1e-3)
+    dqn = rewards + 0.99 * next_q.max(1).values * not_done
+    assert torch.equal(spibb.spibb_target(rewards, not_done, next_q, *spibb.spibb_constants(beta, 0.0), 0.99), dqn)
+
+
+def test_spibb_beta_from_behaviour_network_matches_dataset(spibb, data):
+    for eps, path in data.items():
+        with np.load(path) as f:
+            weights = {k.removeprefix("behavior_"): f[k] for k in spibb.BEHAVIOR_KEYS}
+            for obs_key, probs_key in (("observations", "behavior_probs"), ("next_observations", "next_behavior_probs")):
+                assert np.allclose(spibb.behavior_probs(weights, eps, f[obs_key]), f[probs_key], atol=1e-6)
+
+
+def test_spibb_evaluation_policy(spibb, data, tmp_path):
+    """Sampling acts only with actions pi_spibb gives mass to, both ways are reproducible, and with
+    CartPole eps <= 0.25 pi_spibb is beta itself (its non-greedy action has beta < 0.2)."""
+    with np.load(data[0.05]) as f:
+        weights = {k.removeprefix("behavior_"): f[k] for k in spibb.BEHAVIOR_KEYS}
+        obs = f["observations"][:500]
+    q_network = spibb.QNetwork(4, 2)
+    beta = torch.from_numpy(spibb.behavior_probs(weights, 0.05, obs)).float()
+    pi = spibb.spibb_policy(q_network(torch.from_numpy(obs)).detach(), beta, 0.2)
+    assert torch.allclose(pi, beta)
+    sampled = spibb.make_policy(q_network, weights, 0.05, 0.2, False, 7)
+    sampled.reset()
+    a1 = sampled(obs)
+    sampled.reset()
+    assert np.array_equal(a1, sampled(obs))
+    assert (pi.numpy()[np.arange(len(obs)), a1] > 0).all() and (a1 != beta.argmax(1).numpy()).any()
+    greedy = spibb.make_policy(q_network, weights, 0.05, 0.2, True, 7)
+    assert np.array_equal(greedy(obs), pi.argmax(1).numpy())
+
+
+# ----------------------------------------------------------------------------------------------
+# Runs
+@pytest.mark.parametrize("name", BASELINES)
+def test_no_nan_at_eps_005_0_and_1(name, data, tmp_path):
+    module = load_script(name)
+    for eps, path in data.items():
+        result = train_in_process(module, path, eps, tmp_path, f"e{eps:g}", save_model=True)
+        assert all(np.isfinite([e["return_mean"], e["return_std"]]).all() for e in result["evaluations"]), eps
+        assert all(np.isfinite(v) for v in result["extra"].values()), (eps, result["extra"])
+        state = torch.load(tmp_path / f"e{eps:g}" / "model.pt", weights_only=True)
+        net = state.get("network", state.get("q_network"))
+        assert all(torch.isfinite(v).all() for v in net.values()), eps
+
+
+def test_klq_weight_zero_and_spibb_threshold_zero_are_dqn(data, tmp_path):
+    """Both reduce to the offline DQN update: the same network bit for bit, and the same as
+    dqn_offline.py up to the rounding of fused vs. per-parameter Adam."""
+    nets = {}
+    for name, overrides in (("klq.py", dict(kl_weight=0.0)), ("spibb.py", dict(spibb_threshold=0.0)),
+                            ("dqn_offline.py", {})):
+        train_in_process(load_script(name), data[0.05], 0.05, tmp_path, name, save_model=True, **overrides)
+        nets[name] = torch.load(tmp_path / name / "model.pt", weights_only=True)["q_network"]
+    for k in nets["klq.py"]:
+        assert torch.equal(nets["klq.py"][k], nets["spibb.py"][k])
+        assert torch.allclose(nets["klq.py"][k], nets["dqn_offline.py"][k], atol=1e-4)
+
+
+@pytest.mark.parametrize("name,option", [("bcq_discrete.py", "--bcq-threshold"), ("klq.py", "--kl-weight"),
+                                         ("spibb.py", "--spibb-threshold")])
+def test_end_to_end_determinism_and_checkpoint(name, option, data, tmp_path):
+    module = load_script(name)
+    ra = train_in_process(module, data[0.05], 0.05, tmp_path, "a", seed=5)
+    rb = train_in_process(module, data[0.05], 0.05, tmp_path, "b", seed=5)
+    assert ra["evaluations"] == rb["evaluations"] and ra["extra"] == rb["extra"]
+
+    cmd = [REPO / name, "--env-id", "CartPole-v1", "--epsilon", "0.05", "--dataset-path", data[0.05], "--runs-dir",
+           tmp_path, "--run-name", "cli", "--total-steps", "300", "--eval-frequency", "100", "--eval-episodes", "2",
+           "--seed", "5", "--save-model", "--no-tensorboard"]
+    proc = run(cmd)
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads((tmp_path / "cli" / "result.json").read_text())
+    assert result["algorithm"] == name[:-3] and result["evaluations"] == ra["evaluations"]
+    assert [e["step"] for e in result["evaluations"]] == [100, 200, 300] and result["format_version"] == 1
+    assert result["args"][option[2:].replace("-", "_")] == pytest.approx({"--bcq-threshold": 0.3, "--kl-weight": 0.1,
+                                                                           "--spibb-threshold": 0.2}[option])
+    ev = run([REPO / name, "--eval-checkpoint", tmp_path / "cli" / "model.pt", "--eval-episodes", "2"])
+    assert ev.returncode == 0, ev.stderr
+    assert float(re.search(r"return (-?[\d.]+)", ev.stdout).group(1)) == pytest.approx(
+        result["evaluations"][-1]["return_mean"], abs=0.01)
+
+
+def test_bad_algorithm_options_fail_clearly(data, tmp_path):
+    for name, overrides, needle in (("bcq_discrete.py", dict(bcq_threshold=1.5), "--bcq-threshold"),
+                                    ("klq.py", dict(kl_weight=-0.1), "--kl-weight"),
+                                    ("spibb.py", dict(spibb_threshold=-0.2), "--spibb-threshold")):
+        with pytest.raises(SystemExit) as exc:
+            train_in_process(load_script(name), data[0.05], 0.05, tmp_path / "runs", "x", **overrides)
+        assert needle in str(exc.value.code) and not (tmp_path / "runs").exists()
