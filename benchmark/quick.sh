@@ -1,8 +1,8 @@
 #!/bin/bash
 # Quick preset of the Table 1 benchmark: the full grid of tasks, epsilons and algorithms, but only
-# 20,000 updates per run and 3 seeds (315 runs), with the paper's evaluation settings (every 1000
+# 20,000 updates per run and 2 seeds (210 runs), with the paper's evaluation settings (every 1000
 # updates, 40 episodes; final score = mean of the last 10 evaluations).
-# Estimated wall time on a 2-core machine with 2 workers: about 45-75 minutes (see docs/benchmark.md).
+# Estimated wall time on a 2-core machine with 2 workers: about 30-60 minutes (see docs/benchmark.md).
 # Numbers are NOT comparable to the paper's (fewer updates, fewer seeds); use table1.sh for that.
 #
 #   bash benchmark/quick.sh              # WORKERS=2, results in benchmark/results/quick
@@ -11,7 +11,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 
 WORKERS=${WORKERS:-2}
-SEEDS=${SEEDS:-1 2 3}
+SEEDS=${SEEDS:-1 2}
 OUT=${OUT:-benchmark/results/quick}
 TOTAL_STEPS=${TOTAL_STEPS:-20000}
 

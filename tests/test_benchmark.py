@@ -460,7 +460,7 @@ def _shell_env(tmp_path, **extra):
     return env
 
 
-@pytest.mark.parametrize("script, runs", [("table1.sh", 3 * 5 * 7 * 5), ("quick.sh", 3 * 5 * 7 * 3)])
+@pytest.mark.parametrize("script, runs", [("table1.sh", 3 * 5 * 7 * 5), ("quick.sh", 3 * 5 * 7 * 2)])
 def test_shell_presets_dry_run(script, runs, repo, tmp_path):
     proc = subprocess.run(["bash", str(BENCH / script), "--dry-run", "--repo", str(repo)],
                           env=_shell_env(tmp_path), capture_output=True, text=True)
