@@ -1,0 +1,551 @@
+"""BRPO-C: BRPO with a constant confidence (Sohn et al., IJCAI 2020, Sec. "Experimental Results").
+
+The residual policy pi(a|s) = (1 - lam) beta(a|s) + lam rho(a|s) with a constant lam (--lam, paper's
+grid 0.25 .. 0.75, final 0.5): a constant confidence always satisfies sum_a lam (rho - beta) = 0, so
+there is no confidence solver, no confidence network and no projection layer. Everything else is
+brpo.py line for line (`diff brpo.py brpo_c.py` shows only the confidence): rho is the relative
+softmax with lambda = lam (eq. relative_soft, same temperature remedy), the critic and W are the
+mu-mixed ones of Algorithm 1. One gradient update:
+  1. sample a minibatch; 2. one critic step towards r + gamma V(s'), V = (1-mu) E_beta Q' + mu max Q';
+  3. soft target update. rho (and so pi) follows the critic at every state through W = Q - V.
+
+What the reported lower bound (extra.lower_bound, losses/lower_bound) does and does not guarantee:
+  * it is the paper's SAA estimate L = L' - (1-mu) L'' L''' on dataset states. Theorem 2's bound has
+    max_{s0} L'''(s0); the paper (and we) replace the max by an expectation (eq. saddle_point_approx),
+    which is NOT a bound any more: it is an approximation whose gap is not quantified;
+  * with mu > 0 the advantage is the mu-weighted W of the appendix, estimated by a critic that mixes
+    SARSA-like and Q-learning targets; the bound of Theorem 2 holds for A_beta (mu = 0) and the
+    mu-version needs A_pi; at mu = 0.9 (paper's choice) it is mostly a Q-learning advantage;
+  * the critic's estimation error, the finite sample and the generalisation of lambda_phi outside the
+    minibatch are not accounted for anywhere. So L > 0 is evidence, not a guarantee, of improvement;
+    MM properties L = 0 at lambda = 0 and at rho = beta hold exactly (tested).
+
+    python brpo_c.py --env-id Acrobot-v1 --epsilon 0.15 --lam 0.5
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Optional
+
+import gymnasium as gym
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import tyro
+from torch.utils.tensorboard import SummaryWriter
+
+REPO = Path(__file__).resolve().parent
+FORMAT_VERSION = 1
+# Temperature remedy defaults (paper, end of Sec. 5). Without them tau >= 49.5 and rho stays within ~1% of
+# beta (see temperature()), so BRPO could not improve on beta at all. The cap at 1 (kappa's smallest value)
+# removes the weighted-Pinsker growth of kappa_{|W| lambda} ~ 1 + max W^2 lambda^2, which made tau scale
+# with the squared advantage; the decay then anneals tau from 49.5 to 49.5 * 0.99995^100000 = 0.33 over
+# the default 100k updates: rho moves from beta towards the critic's preferred actions gradually, and
+# lambda-bar* decides where that is trusted. Measured (eps 0.15, 100k updates, seed 1; behaviour on the
+# same evaluation episodes: CartPole 246, Acrobot -116): decay 0.99995 -> 253 / -110 and -114 (two runs);
+# decay 0.9999 (tau -> 0.002, an almost greedy rho) -> 227 / -104.5; kappa_max 0.02 without decay
+# (tau = 0.99) -> 249 on CartPole. 0.9999 collapsed on CartPole in its last 40k updates; 0.99995 ends at or
+# above the behaviour policy on both tasks (small gains, within run-to-run noise). docs/brpo.md has more.
+KAPPA_MAX_DEFAULT = 1.0
+KAPPA_DECAY_DEFAULT = 0.99995
+
+
+@dataclass
+class Args:
+    exp_name: str = Path(__file__).stem
+    """name of this experiment (part of the run name)"""
+    env_id: str = "CartPole-v1"
+    """gymnasium environment id (CartPole-v1, Acrobot-v1, LunarLander-v3)"""
+    epsilon: float = 0.15
+    """exploration level of the behaviour policy that collected the dataset"""
+    seed: int = 1
+    """seed of network initialisation and minibatch sampling"""
+    dataset_path: Optional[str] = None
+    """batch dataset (.npz from collect_data.py); default datasets/<env-id>_eps<epsilon>.npz, created if missing"""
+    total_steps: int = 100_000
+    """gradient updates (the paper does not state its number; 100k is our documented default)"""
+    learning_rate: float = 1e-3
+    """Adam learning rate of the Q-network"""
+    batch_size: int = 64
+    """minibatch size"""
+    gamma: float = 0.99
+    """discount factor"""
+    tau: float = 0.5
+    """soft target update rate: target <- tau * online + (1 - tau) * target"""
+    target_update_frequency: int = 500
+    """updates between soft target updates"""
+    eval_frequency: int = 1_000
+    """updates between evaluations in the simulator"""
+    eval_episodes: int = 40
+    """episodes per evaluation, run side by side"""
+    eval_seed: int = 10_000
+    """evaluation episode i starts from env.reset(seed=eval_seed + i), the same at every evaluation"""
+    runs_dir: str = "runs"
+    """directory holding one sub-directory per run"""
+    run_name: Optional[str] = None
+    """sub-directory name of this run; default <env>__eps<eps>__<exp>__<seed>__<time>"""
+    tensorboard: bool = True
+    """write TensorBoard curves to runs/<run-name>/"""
+    save_model: bool = False
+    """save runs/<run-name>/model.pt, which --eval-checkpoint can evaluate on its own"""
+    eval_checkpoint: Optional[str] = None
+    """evaluate this saved model.pt (no training, no dataset) and exit"""
+    threads: int = 1
+    """torch intra-op threads (tiny MLPs run fastest on one)"""
+    mu: float = 0.9
+    """critic mixing (Algorithm 1): V = (1-mu) E_beta Q + mu max Q, for the TD target and for W = Q - V"""
+    lam: float = 0.5
+    """constant confidence lambda in [0, 1] (paper's final value 0.5)"""
+    kappa_max: float = KAPPA_MAX_DEFAULT
+    """cap of the temperature's kappa: kappa <- min(kappa_max, kappa) (paper, end of Sec. 5)"""
+    kappa_decay: float = KAPPA_DECAY_DEFAULT
+    """temperature decay kappa <- kappa * kappa_decay**k, k = number of updates done (paper, end of Sec. 5)"""
+    penalty_one_minus_mu: bool = True
+    """scale the bound's penalty L'' L''' by (1 - mu) like the appendix's mu-weighted bound (off: main text)"""
+    eval_greedy: bool = False
+    """evaluate argmax_a pi(a|s) instead of sampling a ~ pi(.|s) (the guarantee is about the stochastic pi)"""
+
+
+def fail(msg: str) -> None:
+    """One line on stderr, exit status 1, no traceback."""
+    raise SystemExit(f"{Path(sys.argv[0]).name}: error: {msg}")
+
+
+def check_args(args: Args) -> None:
+    positive = ("total_steps", "batch_size", "target_update_frequency", "eval_frequency", "eval_episodes", "threads")
+    for name in positive:
+        if getattr(args, name) <= 0:
+            fail(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    if not 0.0 <= args.epsilon <= 1.0:
+        fail(f"--epsilon must lie in [0, 1], got {args.epsilon}")
+    if not args.learning_rate > 0:
+        fail(f"--learning-rate must be positive, got {args.learning_rate}")
+    if not 0.0 <= args.gamma < 1.0:
+        fail(f"--gamma must lie in [0, 1), got {args.gamma}")
+    if not 0.0 < args.tau <= 1.0:
+        fail(f"--tau must lie in (0, 1], got {args.tau}")
+    if not 0.0 <= args.mu <= 1.0:
+        fail(f"--mu must lie in [0, 1], got {args.mu}")
+    if not 0.0 <= args.lam <= 1.0:
+        fail(f"--lam must lie in [0, 1], got {args.lam}")
+    if not args.kappa_max > 0:
+        fail(f"--kappa-max must be positive, got {args.kappa_max}")
+    if not 0.0 < args.kappa_decay <= 1.0:
+        fail(f"--kappa-decay must lie in (0, 1], got {args.kappa_decay}")
+
+
+def make_env(env_id: str) -> gym.Env:
+    if env_id == "LunarLander-v2":
+        fail("LunarLander-v2 is not registered in gymnasium 1.x; use --env-id LunarLander-v3")
+    try:
+        env = gym.make(env_id, disable_env_checker=True)
+    except gym.error.Error as e:
+        fail(f"cannot make environment {env_id!r}: {e}")
+    except ModuleNotFoundError as e:
+        fail(f"environment {env_id!r} needs a missing package ({e}); pip install 'gymnasium[box2d]'")
+    if not isinstance(env.action_space, gym.spaces.Discrete):
+        fail(f"{env_id} has a {type(env.action_space).__name__} action space; only discrete actions are supported")
+    return env
+
+
+def load_dataset(args: Args, obs_dim: int, n_actions: int) -> tuple[Path, dict]:
+    """Read and validate the batch; a missing *default* dataset is created with collect_data.py."""
+    path = Path(args.dataset_path) if args.dataset_path else REPO / "datasets" / f"{args.env_id}_eps{args.epsilon:g}.npz"
+    how = f"python collect_data.py --env-id {args.env_id} --epsilon {args.epsilon:g} --overwrite" + (
+        f" --dataset-path {path}" if args.dataset_path else "")
+    if not path.exists():
+        if args.dataset_path:
+            fail(f"dataset {path} not found; create it with: {how}")
+        print(f"dataset {path} not found: creating it from the committed behaviour policy", flush=True)
+        cmd = [sys.executable, str(REPO / "collect_data.py"), "--env-id", args.env_id, "--epsilon", f"{args.epsilon:g}"]
+        if subprocess.run(cmd).returncode != 0:
+            fail(f"could not create dataset {path} (see the collect_data.py message above)")
+    keys = ("observations", "actions", "rewards", "next_observations", "terminals", "timeouts",
+            "behavior_probs", "next_behavior_probs", "epsilon", "env_id", "behavior_return", "format_version",
+            # BRPO needs beta at states outside the batch (evaluation): the behaviour network
+            "behavior_w0", "behavior_b0", "behavior_w1", "behavior_b1", "behavior_w2", "behavior_b2")
+    try:
+        with np.load(path, allow_pickle=False) as f:
+            missing = [k for k in keys if k not in f.files]
+            if missing:
+                fail(f"dataset {path} lacks {missing}: it was not written by collect_data.py; recreate it with: {how}")
+            d = {k: f[k] for k in keys}
+    except SystemExit:
+        raise
+    except Exception as e:  # truncated or corrupt zip, bad pickle-free array, I/O error
+        fail(f"dataset {path} is unreadable ({type(e).__name__}: {e}); it is corrupt or truncated, recreate it with: {how}")
+    if int(d["format_version"]) != FORMAT_VERSION:
+        fail(f"dataset {path} has format version {int(d['format_version'])}, expected {FORMAT_VERSION}; recreate it with: {how}")
+    if str(d["env_id"]) != args.env_id:
+        fail(f"dataset {path} was recorded on {d['env_id']}, not {args.env_id}; pass --env-id {d['env_id']} or another dataset")
+    if not np.isclose(float(d["epsilon"]), args.epsilon):
+        fail(f"dataset {path} was collected with epsilon {float(d['epsilon']):g}, not {args.epsilon:g}; pass --epsilon {float(d['epsilon']):g}")
+    n = len(d["actions"])
+    shapes = {"observations": (n, obs_dim), "next_observations": (n, obs_dim), "rewards": (n,), "terminals": (n,),
+              "timeouts": (n,), "behavior_probs": (n, n_actions), "next_behavior_probs": (n, n_actions)}
+    for k, shape in shapes.items():
+        if d[k].shape != shape:
+            fail(f"dataset {path}: {k} has shape {d[k].shape}, expected {shape} for {args.env_id} "
+                 f"(observation size {obs_dim}, {n_actions} actions); was it recorded on another task?")
+    if n == 0:
+        fail(f"dataset {path} is empty; recreate it with: {how}")
+    for k in ("observations", "next_observations", "rewards", "behavior_probs", "next_behavior_probs"):
+        if not np.isfinite(d[k]).all():
+            fail(f"dataset {path}: {k} contains NaN or inf ({np.count_nonzero(~np.isfinite(d[k]))} values); recreate it with: {how}")
+    if d["actions"].min() < 0 or d["actions"].max() >= n_actions:
+        fail(f"dataset {path}: actions outside [0, {n_actions}); was it recorded on another task?")
+    for k in ("behavior_probs", "next_behavior_probs"):
+        if (d[k] < 0).any() or not np.allclose(d[k].sum(1), 1.0, atol=1e-4):
+            fail(f"dataset {path}: {k} rows are not probability distributions; recreate it with: {how}")
+    return path, d
+
+
+class QNetwork(nn.Module):
+    """FC(32)-FC(16), the architecture of every network in the paper."""
+
+    def __init__(self, obs_dim: int, n_actions: int):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(obs_dim, 32), nn.ReLU(), nn.Linear(32, 16), nn.ReLU(), nn.Linear(16, n_actions))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+
+# ---------------------------------------------------------------------------------------------
+# BRPO math (paper Sec. 5 "The BRPO Algorithm" and Appendix "Practical Implementation Details")
+# ---------------------------------------------------------------------------------------------
+LOG_CLAMP = 1e-12  # floor inside logs of probabilities: exact zeros (eps=0) must give 0*log0 = 0, not NaN
+W_CLAMP = 1e100  # |W| cap before squaring in kappa: W^2 must stay finite in float64
+TAU_MIN = 1e-200  # smallest temperature (see temperature())
+
+
+def log_probs(p: np.ndarray) -> np.ndarray:
+    """log p with log 0 = -inf and no warning: actions outside beta's support drop out of every
+    expectation and every softmax below."""
+    pos = p > 0
+    return np.where(pos, np.log(np.where(pos, p, 1.0)), -np.inf)
+
+
+def logsumexp(x: np.ndarray) -> np.ndarray:
+    m = x.max(-1, keepdims=True)  # finite: beta has at least one positive entry per state
+    return m[..., 0] + np.log(np.exp(x - m).sum(-1))
+
+
+def kappa(log_beta: np.ndarray, g: np.ndarray) -> np.ndarray:
+    """kappa_g(s) = 1 + log E_{a~beta}[exp(g(a|s)^2)] (paper, below eq. crpo_mu_2), in log-space:
+    logsumexp(log beta + g^2) cannot overflow for large |g| (it is ~max g^2)."""
+    return 1.0 + logsumexp(log_beta + np.square(g))
+
+
+def temperature(beta, lam, w, gamma, kappa_max, kappa_decay, k, log_beta=None):
+    """tau_lambda(s) = gamma * max{kappa_lambda(s), kappa_{|W| lambda}(s)} / (2 - 2 gamma) (eq. relative_soft),
+    with the paper's remedy (end of Sec. 5): kappa <- min(kappa_max, kappa) * kappa_decay**k, k = number of
+    updates done. Why the remedy is needed: kappa >= 1 always, so tau >= gamma / (2 - 2 gamma) = 49.5 at
+    gamma = 0.99 while the critic's advantages are O(0.1 .. 10): lambda W / tau ~ 1e-2 and rho equals beta
+    to within ~1%, so BRPO could never move away from beta. Defaults: see KAPPA_*_DEFAULT."""
+    if kappa_max <= 1.0:  # both kappas are >= 1 (log E exp(g^2) >= 0): the cap binds at every state
+        kap = np.full(beta.shape[0], kappa_max * kappa_decay**k)
+    else:
+        lb = log_probs(beta) if log_beta is None else log_beta
+        w = np.clip(w, -W_CLAMP, W_CLAMP)
+        kappa_lam = 1.0 + np.log((beta * np.exp(np.square(lam))).sum(-1))  # lambda in [0, 1]: no overflow
+        kap = np.maximum(kappa_lam, kappa(lb, np.abs(w) * lam))
+        kap = np.minimum(kap, kappa_max) * (kappa_decay**k)
+    # floor: a decayed kappa may underflow to 0; with |W| <= W_CLAMP, lambda W / tau stays <= 1e300 (finite)
+    return np.maximum(gamma * kap / (2.0 - 2.0 * gamma), TAU_MIN)
+
+
+def candidate_policy(beta, lam, w, tau, log_beta=None):
+    """Relative softmax rho(a|s) ∝ beta(a|s) exp(lambda(s,a) W(s,a) / tau(s)) (paper eq. relative_soft), as a
+    softmax of log beta + lambda W / tau: beta = 0 gives rho = 0 exactly; huge advantages or a tiny
+    temperature give a (near) one-hot rho, never inf/NaN. float64 numpy (no gradient flows through rho:
+    coordinate ascent holds rho fixed while lambda is fitted)."""
+    w = np.clip(w, -W_CLAMP, W_CLAMP)
+    logits = (log_probs(beta) if log_beta is None else log_beta) + lam * w / tau[:, None]
+    e = np.exp(logits - logits.max(-1, keepdims=True))
+    return e / e.sum(-1, keepdims=True)
+
+
+def residual_policy(beta, rho, lam):
+    """pi = (1 - lambda) beta + lambda rho (paper Sec. 2). A distribution by construction whenever lambda is
+    feasible; the clamp/renormalisation only removes float rounding."""
+    pi = (beta + lam * (rho - beta)).clamp_min(0.0)
+    return pi / pi.sum(-1, keepdim=True)
+
+
+def lower_bound_terms(beta, rho, lam, w, gamma, mu, scale_penalty_by_mu=True):
+    """SAA estimates of the paper's L', L'', L''' (Sec. 5, "The Closed-form Confidence") and of the bound
+
+        L = L' - (1 - mu) L'' L'''   (Appendix "Practical Implementation Details": with the mu-weighted
+                                       advantage W the penalty carries a factor (1 - mu); mu = 0 -> paper
+                                       main text).
+    Returns floats (L, L', L'', L''')."""
+    d = rho - beta
+    n = beta.shape[0]
+    l1 = (lam * d * w).sum() / ((1.0 - gamma) * n)
+    l2 = (lam * d.abs()).sum() / ((1.0 - gamma) * n)
+    l3 = gamma * (lam * d.abs() * w.abs()).sum() / ((1.0 - gamma) * n)
+    pen = (1.0 - mu) if scale_penalty_by_mu else 1.0
+    return float(l1 - pen * l2 * l3), float(l1), float(l2), float(l3)
+
+
+def evaluate(act, envs: list, seed: int) -> np.ndarray:
+    """Undiscounted return of one episode per env; all episodes advance together so the policy
+    runs one batched forward per time step. Episode i always starts from reset(seed=seed + i)."""
+    obs = np.stack([env.reset(seed=seed + i)[0] for i, env in enumerate(envs)]).astype(np.float32)
+    returns, active = np.zeros(len(envs)), np.ones(len(envs), dtype=bool)
+    while active.any():
+        idx = np.flatnonzero(active)
+        for j, a in zip(idx, act(obs[idx]).tolist()):
+            o, r, term, trunc, _ = envs[j].step(a)
+            obs[j], returns[j] = o, returns[j] + r
+            active[j] = not (term or trunc)
+    return returns
+
+
+def write_json_atomic(path: Path, obj: dict) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+    try:
+        os.chmod(tmp, 0o644)  # mkstemp's 0600 would hide the file from other users
+        with os.fdopen(fd, "w") as f:
+            json.dump(obj, f, indent=1)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+
+class BehaviorPolicy:
+    """beta(a|s) = (1-eps) 1[a = argmax Q_b(s,.)] + eps/|A| from the behaviour network stored in the dataset
+    (INTERFACES.md), in float64 like collect_data.py so that near-ties resolve to the same action."""
+
+    def __init__(self, weights: dict, epsilon: float):
+        self.layers = [(torch.as_tensor(weights[f"w{i}"], dtype=torch.float64),
+                        torch.as_tensor(weights[f"b{i}"], dtype=torch.float64)) for i in range(3)]
+        self.epsilon = float(epsilon)
+
+    def __call__(self, obs: torch.Tensor) -> torch.Tensor:
+        h = obs.double()
+        for i, (w, b) in enumerate(self.layers):
+            h = h @ w.T + b
+            if i < 2:
+                h = h.clamp_min(0.0)
+        n_actions = h.shape[1]
+        probs = torch.full_like(h, self.epsilon / n_actions)
+        probs[torch.arange(h.shape[0]), h.argmax(1)] += 1.0 - self.epsilon  # first index on ties
+        return probs
+
+
+class ConstantConfidence:
+    """lambda(s, a) = lam everywhere: feasible for any rho since sum_a (rho - beta) = 0."""
+
+    def __init__(self, lam: float, n_actions: int):
+        self.lam, self.n_actions = float(lam), n_actions
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.full((x.shape[0], self.n_actions), self.lam, dtype=torch.float64)
+
+
+def mixed_value(q: torch.Tensor, beta: torch.Tensor, mu: float) -> torch.Tensor:
+    """V(s) = (1-mu) E_{a~beta}[Q(s,a)] + mu max_a Q(s,a) (Algorithm 1, line 6; appendix)."""
+    return (1.0 - mu) * (beta * q).sum(1) + mu * q.max(1).values
+
+
+def candidate(beta, lam_tilde, w, args, n_updates, log_beta=None):
+    """rho from the current confidence (coordinate ascent, Sec. 5): tau from kappa, then relative softmax.
+    Takes and returns float64 numpy arrays."""
+    log_beta = log_probs(beta) if log_beta is None else log_beta
+    tau = temperature(beta, lam_tilde, w, args.gamma, args.kappa_max, args.kappa_decay, n_updates, log_beta)
+    return candidate_policy(beta, lam_tilde, w, tau, log_beta), tau
+
+
+def policy_probs(obs, beta, q_network, confidence, args, n_updates):
+    """pi(.|s), lambda(s, .), rho(.|s) at arbitrary states (no gradient): the deployed residual policy."""
+    with torch.no_grad():
+        q = q_network(obs).double()
+        w = q - mixed_value(q, beta, args.mu).unsqueeze(1)
+        lam_tilde = confidence(obs)
+        rho, _ = candidate(beta.numpy(), lam_tilde.numpy(), w.numpy(), args, n_updates)
+        lam = lam_tilde  # constant: already feasible
+        rho = torch.from_numpy(rho)
+        return residual_policy(beta, rho, lam), lam, rho
+
+
+def make_actor(behavior, q_network, confidence, args, greedy: bool):
+    """act(obs) for evaluate(); sampling uses its own generator, re-seeded before every evaluation so that
+    evaluations do not depend on training randomness (state['n_updates'] drives the temperature decay)."""
+    state = {"n_updates": 0, "generator": torch.Generator()}
+
+    def act(obs: np.ndarray) -> np.ndarray:
+        o = torch.from_numpy(obs)
+        pi, _, _ = policy_probs(o, behavior(o), q_network, confidence, args, state["n_updates"])
+        if greedy:
+            return pi.argmax(1).numpy()
+        return torch.multinomial(pi, 1, generator=state["generator"]).squeeze(1).numpy()
+
+    return act, state
+
+
+def policy_stats(obs, beta, q_network, confidence, args, n_updates) -> dict:
+    """Diagnostics on a set of dataset states: confidence, distance to beta, SAA bound and its terms."""
+    pi, lam, rho = policy_probs(obs, beta, q_network, confidence, args, n_updates)
+    with torch.no_grad():
+        q = q_network(obs).double()
+        w = q - mixed_value(q, beta, args.mu).unsqueeze(1)
+        kl = (pi * (torch.log(pi.clamp_min(LOG_CLAMP)) - torch.log(beta.clamp_min(LOG_CLAMP)))).sum(1).mean()
+        bound, l1, l2, l3 = lower_bound_terms(beta, rho, lam, w, args.gamma, args.mu, args.penalty_one_minus_mu)
+        support = beta > 0
+    return {"mean_lambda": float(lam[support].mean()), "share_lambda_gt_half": float((lam[support] > 0.5).double().mean()),
+            "kl_pi_beta": float(kl), "tv_pi_beta": float(0.5 * (pi - beta).abs().sum(1).mean()),
+            "lower_bound": bound, "L1": l1, "L2": l2, "L3": l3}
+
+
+def run_checkpoint(args: Args) -> None:
+    try:
+        ckpt = torch.load(args.eval_checkpoint, map_location="cpu", weights_only=True)
+        env_id = ckpt["env_id"]
+    except FileNotFoundError:
+        fail(f"checkpoint {args.eval_checkpoint} not found")
+    except Exception as e:
+        fail(f"checkpoint {args.eval_checkpoint} is unreadable ({type(e).__name__}: {e})")
+    if ckpt.get("algorithm") != Path(__file__).stem:
+        fail(f"checkpoint {args.eval_checkpoint} was saved by {ckpt.get('algorithm')}.py, not {Path(__file__).name}")
+    envs = [make_env(env_id) for _ in range(args.eval_episodes)]
+    # the policy's own settings come from the checkpoint, evaluation settings from the command line
+    saved = Args(**{k: v for k, v in ckpt["args"].items() if k in Args.__dataclass_fields__})
+    q_network = QNetwork(ckpt["obs_dim"], ckpt["n_actions"])
+    q_network.load_state_dict(ckpt["q_network"])
+    confidence = load_confidence(ckpt, saved)
+    behavior = BehaviorPolicy({k: v.numpy() for k, v in ckpt["behavior"].items()}, ckpt["epsilon"])
+    act, state = make_actor(behavior, q_network, confidence, saved, args.eval_greedy)
+    state["n_updates"] = ckpt["n_updates"]
+    state["generator"].manual_seed(args.eval_seed)
+    returns = evaluate(act, envs, args.eval_seed)
+    print(f"{args.eval_checkpoint}: {env_id} return {returns.mean():.2f} +- {returns.std():.2f} over {len(returns)} episodes")
+
+
+def load_confidence(ckpt: dict, args: Args):
+    return ConstantConfidence(args.lam, ckpt["n_actions"])
+
+
+def main(args: Args) -> None:
+    check_args(args)
+    torch.set_num_threads(args.threads)
+    if args.eval_checkpoint:
+        return run_checkpoint(args)
+    env = make_env(args.env_id)
+    obs_dim, n_actions = env.observation_space.shape[0], int(env.action_space.n)
+    dataset_path, data = load_dataset(args, obs_dim, n_actions)
+
+    # Everything is validated: only now create outputs.
+    run_name = args.run_name or f"{args.env_id}__eps{args.epsilon:g}__{args.exp_name}__{args.seed}__{int(time.time())}"
+    run_dir = Path(args.runs_dir) / run_name
+    run_dir.mkdir(parents=True, exist_ok=True)
+    writer = SummaryWriter(str(run_dir)) if args.tensorboard else None
+    if writer:
+        writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in vars(args).items()))
+
+    torch.manual_seed(args.seed)
+    generator = torch.Generator().manual_seed(args.seed)
+    obs = torch.as_tensor(data["observations"])
+    next_obs = torch.as_tensor(data["next_observations"])
+    actions = torch.as_tensor(data["actions"])
+    rewards = torch.as_tensor(data["rewards"])
+    # Time-limit truncations (timeouts) are not terminal: we bootstrap through them.
+    not_done = torch.as_tensor(1.0 - data["terminals"].astype(np.float32))
+    # beta in float64, renormalised: sum_a (rho - beta) must be 0 to ~1e-16 for the equality constraint
+    behavior_probs = torch.as_tensor(data["behavior_probs"], dtype=torch.float64)
+    behavior_probs /= behavior_probs.sum(1, keepdim=True)
+    next_behavior_probs = torch.as_tensor(data["next_behavior_probs"])  # only in the critic target: float32
+    behavior = BehaviorPolicy({k: data[f"behavior_{k}"] for k in ("w0", "b0", "w1", "b1", "w2", "b2")}, float(data["epsilon"]))
+    # fixed dataset states for the diagnostics in result.json (own generator: training draws are unchanged)
+    stats_idx = torch.randperm(len(actions), generator=torch.Generator().manual_seed(0))[:4096]
+
+    q_network = QNetwork(obs_dim, n_actions)
+    target_network = QNetwork(obs_dim, n_actions)
+    target_network.load_state_dict(q_network.state_dict())
+    # fused Adam: the same update in one kernel; at this size the per-parameter Python loop of the default
+    # implementation is a visible share of an update
+    optimizer = torch.optim.Adam(q_network.parameters(), lr=args.learning_rate, fused=True)
+    confidence = load_confidence({"n_actions": n_actions}, args)
+    eval_envs = [make_env(args.env_id) for _ in range(args.eval_episodes)]
+    act, actor_state = make_actor(behavior, q_network, confidence, args, args.eval_greedy)
+
+    evaluations, train_time, eval_time, start = [], 0.0, 0.0, time.time()
+    block_start = time.perf_counter()
+    for step in range(1, args.total_steps + 1):
+        idx = torch.randint(len(actions), (args.batch_size,), generator=generator)
+        s, beta, next_beta = obs[idx], behavior_probs[idx], next_behavior_probs[idx]
+        with torch.no_grad():
+            # Algorithm 1, line 6: V(s') = (1-mu) E_beta Q'(s', .) + mu max Q'(s', .)
+            next_v = mixed_value(target_network(next_obs[idx]), next_beta, args.mu)
+            td_target = rewards[idx] + args.gamma * next_v * not_done[idx]
+        q_all = q_network(s)
+        q = q_all.gather(1, actions[idx, None]).squeeze(1)
+        loss = F.mse_loss(q, td_target)
+
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+
+        if step % args.target_update_frequency == 0:
+            with torch.no_grad():
+                for p, tp in zip(q_network.parameters(), target_network.parameters()):
+                    tp.lerp_(p, args.tau)
+
+        if writer and step % 100 == 0:
+            writer.add_scalar("losses/td_loss", loss.item(), step)
+            writer.add_scalar("losses/q_values", q.mean().item(), step)
+            for key, value in policy_stats(s, beta, q_network, confidence, args, step).items():
+                writer.add_scalar(f"confidence/{key}" if "lambda" in key else f"losses/{key}", value, step)
+
+        if step % args.eval_frequency == 0 or step == args.total_steps:
+            now = time.perf_counter()
+            train_time += now - block_start
+            actor_state["n_updates"] = step
+            actor_state["generator"].manual_seed(args.eval_seed)
+            returns = evaluate(act, eval_envs, args.eval_seed)
+            block_start = time.perf_counter()
+            eval_time += block_start - now
+            evaluations.append({"step": step, "return_mean": float(returns.mean()), "return_std": float(returns.std())})
+            sps = step / train_time
+            print(f"step={step} eval_return={returns.mean():.1f} +- {returns.std():.1f} SPS={sps:.0f}", flush=True)
+            if writer:
+                writer.add_scalar("eval/episodic_return", returns.mean(), step)
+                writer.add_scalar("charts/SPS", sps, step)
+
+    final_score = float(np.mean([e["return_mean"] for e in evaluations[-10:]]))
+    extra = policy_stats(obs[stats_idx], behavior_probs[stats_idx], q_network, confidence, args, args.total_steps)
+    result = {
+        "algorithm": Path(__file__).stem, "env_id": args.env_id, "epsilon": args.epsilon, "seed": args.seed,
+        "args": asdict(args), "evaluations": evaluations, "final_score": final_score,
+        "behavior_return": float(data["behavior_return"]), "wall_time": time.time() - start,
+        "train_time": train_time, "eval_time": eval_time, "updates_per_second": args.total_steps / train_time,
+        "dataset_path": str(dataset_path), "format_version": FORMAT_VERSION, "extra": extra,
+    }
+    if args.save_model:
+        torch.save({"algorithm": Path(__file__).stem, "env_id": args.env_id, "obs_dim": obs_dim, "n_actions": n_actions,
+                    "args": asdict(args), "q_network": q_network.state_dict(),
+                    "behavior": {k: torch.as_tensor(data[f"behavior_{k}"]) for k in ("w0", "b0", "w1", "b1", "w2", "b2")},
+                    "epsilon": float(data["epsilon"]), "n_updates": args.total_steps}, run_dir / "model.pt")
+    write_json_atomic(run_dir / "result.json", result)
+    if writer:
+        writer.add_scalar("eval/final_score", final_score, args.total_steps)
+        writer.close()
+    print(f"final score {final_score:.1f} (behaviour {result['behavior_return']:.1f}); "
+          f"mean lambda {extra['mean_lambda']:.3f}, KL(pi||beta) {extra['kl_pi_beta']:.4f}; results in {run_dir}")
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))

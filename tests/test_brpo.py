@@ -1,0 +1,404 @@
+"""BRPO's math (candidate policy, projection layer, batch confidence solver, lower bound) against
+independent references, and brpo.py / brpo_c.py end to end on a small dataset."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import REPO, run
+from test_common import load_script
+
+TINY = ["--total-steps", "300", "--eval-frequency", "100", "--eval-episodes", "2"]
+
+
+@pytest.fixture(scope="module")
+def brpo():
+    return load_script("brpo.py")
+
+
+# ---------------------------------------------------------------------------------------------
+# Brute-force reference for the confidence QP (tests only)
+# ---------------------------------------------------------------------------------------------
+def vertices_reference(d: np.ndarray) -> np.ndarray:
+    """Vertices of [0,1]^n ∩ {d.x = 0}: cube corners on the hyperplane and hyperplane ∩ cube edges."""
+    n = len(d)
+    pts = [np.array(c) for c in itertools.product([0.0, 1.0], repeat=n) if abs(d @ np.array(c)) <= 1e-12]
+    for j in range(n):
+        if d[j] == 0:
+            continue
+        for corner in itertools.product([0.0, 1.0], repeat=n - 1):
+            x = np.insert(np.array(corner), j, 0.0)
+            t = -(d @ x) / d[j]
+            if -1e-12 <= t <= 1 + 1e-12:
+                x[j] = min(max(t, 0.0), 1.0)
+                pts.append(x)
+    return np.unique(np.round(np.array(pts), 12), axis=0)
+
+
+def brute_force_max(d: np.ndarray, w: np.ndarray, k: float) -> float:
+    """max of C - kUV by exhaustion. The maximum of f over the image polytope Z = sum_s Z_s lies on an
+    edge or a vertex of Z (f increases in C; on a 2-D face it is a saddle in (U, V)); every such point is
+    reached with one state on a segment between two of its vertices and all others at vertices, where f
+    is a 1-D quadratic maximised in closed form. Enumerates all of these."""
+    d = np.where(np.abs(d) > 1e-12, d, 0.0)
+    cuv = np.stack([d * w, np.abs(d), np.abs(d) * np.abs(w)], -1)
+    imgs = [vertices_reference(d[i]) @ cuv[i] for i in range(len(d))]
+    best = -np.inf
+    for i in range(len(d)):
+        rest = np.zeros((1, 3))
+        for j in range(len(d)):
+            if j != i:
+                rest = np.unique(np.round((rest[:, None, :] + imgs[j][None]).reshape(-1, 3), 13), axis=0)
+        for a, b in itertools.product(range(len(imgs[i])), repeat=2):
+            p0, dl = rest + imgs[i][a], imgs[i][b] - imgs[i][a]
+            f0 = p0[:, 0] - k * p0[:, 1] * p0[:, 2]
+            q = -k * dl[1] * dl[2]
+            lin = dl[0] - k * (p0[:, 1] * dl[2] + p0[:, 2] * dl[1])
+            s = np.clip(lin / (-2 * q), 0, 1) if q < 0 else np.zeros_like(lin)
+            best = max(best, (f0 + lin * s + q * s * s).max(), (f0 + lin + q).max())
+    return best
+
+
+def random_instance(rng, n_states, n_actions, kind):
+    beta = rng.dirichlet(np.ones(n_actions) * 0.7, size=n_states)
+    if kind in ("zeros", "mixed"):  # eps = 0 style: beta has zeros (rho inherits them)
+        mask = rng.random((n_states, n_actions)) < 0.4
+        mask[np.arange(n_states), rng.integers(0, n_actions, n_states)] = False
+        beta = np.where(mask, 0.0, beta)
+        beta /= beta.sum(1, keepdims=True)
+    w = rng.normal(size=(n_states, n_actions)) * rng.choice([0.1, 1.0, 10.0])
+    if kind == "positive":
+        w = np.abs(w)
+    if kind == "zero_adv":
+        w[rng.random(n_states) < 0.5] = 0.0
+    lam = rng.random((n_states, n_actions))
+    logits = np.where(beta > 0, np.log(np.maximum(beta, 1e-300)) + lam * w / rng.choice([0.05, 0.5, 5.0]), -np.inf)
+    rho = np.exp(logits - logits.max(1, keepdims=True))
+    rho /= rho.sum(1, keepdims=True)
+    if kind in ("same", "mixed"):  # rho = beta at some states: d = 0 there
+        same = rng.random(n_states) < 0.4
+        rho[same] = beta[same]
+    d = rho - beta
+    # penalty weight spread around the scale where it binds, so optima are interior as well as at vertices
+    scale = np.abs(d * w).sum() / max(np.abs(d).sum() * (np.abs(d) * np.abs(w)).sum(), 1e-300)
+    return d, w, scale * 10 ** rng.uniform(-2, 1.5)
+
+
+def objective(lam, d, w, k):
+    return (lam * d * w).sum() - k * (lam * np.abs(d)).sum() * (lam * np.abs(d) * np.abs(w)).sum()
+
+
+def assert_feasible(lam, d):
+    assert np.isfinite(lam).all()
+    assert lam.min() >= 0.0 and lam.max() <= 1.0
+    assert np.abs((lam * d).sum(1)).max() <= 1e-6
+
+
+KINDS = ("generic", "zeros", "positive", "zero_adv", "same", "mixed")
+
+
+def test_vertex_enumeration(brpo):
+    rng = np.random.default_rng(9)
+    for n_actions in (2, 3, 4, 5):
+        for kind in KINDS:
+            d, _, _ = random_instance(rng, 10, n_actions, kind)
+            d = np.where(np.abs(d) > 1e-12, d, 0.0)
+            cand = brpo.enumerate_vertices(d)
+            for i in range(len(d)):
+                # coordinates with d_j = 0 change neither f nor feasibility: compare the rest
+                nz = d[i] != 0
+                got = {tuple(r[nz]) for r in np.round(cand[i], 9)}
+                ref = {tuple(r[nz]) for r in np.round(vertices_reference(d[i]), 9)}
+                assert ref <= got  # every vertex is a candidate
+                assert all(abs(np.dot(d[i], r)) <= 1e-9 and min(r) >= 0 and max(r) <= 1 for r in cand[i])
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_solver_matches_brute_force(brpo, kind):
+    rng = np.random.default_rng(list(KINDS).index(kind))
+    for _ in range(25):
+        n_states, n_actions = int(rng.integers(1, 6)), int(rng.integers(2, 5))
+        d, w, k = random_instance(rng, n_states, n_actions, kind)
+        lam = brpo.solve_confidence(d, w, k)
+        assert_feasible(lam, d)
+        ref = brute_force_max(d, w, k)
+        f = objective(lam, d, w, k)
+        assert f <= ref + 1e-9 * max(1.0, abs(ref))  # the reference really is the maximum
+        assert ref - f <= 1e-4 * abs(ref) + 1e-12 * np.abs(d * w).sum(), (kind, n_states, n_actions, f, ref)
+
+
+def test_solver_eight_states(brpo):
+    rng = np.random.default_rng(123)
+    for n_actions in (2, 3):
+        for _ in range(4):
+            d, w, k = random_instance(rng, 8, n_actions, "mixed")
+            lam = brpo.solve_confidence(d, w, k)
+            assert_feasible(lam, d)
+            ref = brute_force_max(d, w, k)
+            assert ref - objective(lam, d, w, k) <= 1e-4 * abs(ref) + 1e-12
+
+
+@pytest.mark.parametrize("n_actions", [2, 3, 4, 6])
+def test_solver_full_batch_feasible_and_beats_constants(brpo, n_actions):
+    rng = np.random.default_rng(n_actions)
+    for kind in KINDS:
+        d, w, k = random_instance(rng, 64, n_actions, kind)
+        lam = brpo.solve_confidence(d, w, k)
+        assert_feasible(lam, d)
+        f = objective(lam, d, w, k)
+        assert f >= -1e-12  # lambda = 0 is feasible with f = 0
+        for t in np.linspace(0, 1, 101):  # every constant lambda is feasible
+            assert f >= objective(np.full_like(d, t), d, w, k) - 1e-12 * max(1.0, abs(f))
+
+
+def test_solver_degenerate_inputs(brpo):
+    d = np.zeros((5, 3))
+    assert_feasible(brpo.solve_confidence(d, np.ones((5, 3)), 1.0), d)
+    rng = np.random.default_rng(0)
+    d, w, _ = random_instance(rng, 6, 3, "generic")
+    for k in (0.0, 1e-300, 1e300):
+        lam = brpo.solve_confidence(d, w, k)
+        assert_feasible(lam, d)
+        assert objective(lam, d, w, k) >= -1e-12
+    lam = brpo.solve_confidence(d, w * 1e12, 1e-12)  # huge advantages
+    assert_feasible(lam, d)
+    lam = brpo.solve_confidence(d, np.zeros_like(w), 1.0)  # no advantage at all
+    assert_feasible(lam, d)
+    # k = 0: f is linear, optimum = sum of per-state LP maxima over the vertices
+    lam = brpo.solve_confidence(d, w, 0.0)
+    ref = sum(max(vertices_reference(d[i]) @ (d[i] * w[i])) for i in range(len(d)))
+    assert objective(lam, d, w, 0.0) == pytest.approx(ref, rel=1e-9, abs=1e-12)
+
+
+# ---------------------------------------------------------------------------------------------
+# Lower bound (SAA) and MM properties
+# ---------------------------------------------------------------------------------------------
+def t64(x):
+    return torch.as_tensor(np.asarray(x), dtype=torch.float64)
+
+
+def test_lower_bound_mm_properties(brpo):
+    rng = np.random.default_rng(1)
+    d, w, _ = random_instance(rng, 32, 3, "mixed")
+    beta = rng.dirichlet(np.ones(3), size=32)
+    rho = beta + d * 0  # rho = beta
+    lam = rng.random((32, 3))
+    for mu in (0.0, 0.9):
+        assert brpo.lower_bound_terms(t64(beta), t64(rho), t64(lam), t64(w), 0.99, mu)[0] == 0.0
+    # lambda = 0, arbitrary rho
+    rho = rng.dirichlet(np.ones(3), size=32)
+    assert brpo.lower_bound_terms(t64(beta), t64(rho), t64(np.zeros((32, 3))), t64(w), 0.99, 0.9) == (0.0, 0.0, 0.0, 0.0)
+    # the solver's objective is the same bound: L-bar = f / ((1 - gamma) |B|)
+    d = rho - beta
+    for mu, scaled in ((0.9, True), (0.5, True), (0.9, False)):
+        k = brpo.penalty_weight(32, 0.99, mu, scaled)
+        bound = brpo.lower_bound_terms(t64(beta), t64(rho), t64(lam), t64(w), 0.99, mu, scaled)[0]
+        assert bound == pytest.approx(objective(lam, d, w, k) / (0.01 * 32), rel=1e-9)
+        lam_star = brpo.solve_confidence(d, w, k)
+        assert brpo.lower_bound_terms(t64(beta), t64(rho), t64(lam_star), t64(w), 0.99, mu, scaled)[0] >= 0.0
+
+
+# ---------------------------------------------------------------------------------------------
+# Candidate policy rho
+# ---------------------------------------------------------------------------------------------
+def test_candidate_policy(brpo):
+    rng = np.random.default_rng(2)
+    beta = rng.dirichlet(np.ones(4), size=50)
+    beta[:10, 1] = 0.0  # eps = 0 style zeros
+    beta /= beta.sum(1, keepdims=True)
+    w = rng.normal(size=(50, 4)) * 5
+    lam = rng.random((50, 4))
+    tau = brpo.temperature(beta, lam, w, 0.99, 1.0, 1.0, 0)
+    assert (tau >= 0.99 / 0.02 * 1.0 - 1e-9).all()  # kappa >= 1 (and capped at kappa_max = 1 here)
+    rho = brpo.candidate_policy(beta, lam, w, tau)
+    assert np.allclose(rho.sum(1), 1.0, atol=1e-12) and (rho >= 0).all()
+    assert (rho[beta == 0] == 0).all()
+    # lambda = 0 or W = 0: rho = beta
+    assert np.allclose(brpo.candidate_policy(beta, np.zeros_like(lam), w, tau), beta, atol=1e-15)
+    assert np.allclose(brpo.candidate_policy(beta, lam, np.zeros_like(w), tau), beta, atol=1e-15)
+    # it is the relative softmax of the paper
+    ref = beta * np.exp(lam * w / tau[:, None])
+    assert np.allclose(rho, ref / ref.sum(1, keepdims=True), atol=1e-12)
+    # higher weighted advantage -> more mass than beta
+    assert ((rho - beta)[w * lam == (w * lam).max(1, keepdims=True)] >= -1e-15).all()
+    # huge advantages and vanishing temperatures: no NaN / inf, a distribution
+    for scale, decay, k in ((1e6, 1.0, 0), (1e100, 1.0, 0), (1e300, 0.5, 2000), (1.0, 0.9, 10_000)):
+        tau = brpo.temperature(beta, lam, w * scale, 0.99, 1e6, decay, k)
+        rho = brpo.candidate_policy(beta, lam, w * scale, tau)
+        assert np.isfinite(tau).all() and np.isfinite(rho).all()
+        assert np.allclose(rho.sum(1), 1.0) and (rho[beta == 0] == 0).all()
+    # kappa in log-space: no overflow for |W| lambda ~ 1e3 (exp(1e6) would be inf)
+    kap = brpo.kappa(brpo.log_probs(beta), np.full_like(beta, 1e3))
+    assert np.isfinite(kap).all() and np.allclose(kap, 1.0 + 1e6)
+
+
+def test_temperature_cap_and_decay(brpo):
+    beta = np.full((3, 2), 0.5)
+    lam = np.ones((3, 2))
+    w = np.array([[0.0, 0.0], [3.0, -3.0], [30.0, 1.0]])
+    tau = brpo.temperature(beta, lam, w, 0.99, 1e9, 1.0, 0)
+    kappa_w = 1 + np.logaddexp(np.log(0.5) + w[:, 0] ** 2, np.log(0.5) + w[:, 1] ** 2)  # exp(900) overflows
+    expected = 0.99 * np.maximum(1 + np.log(np.e), kappa_w) / 0.02
+    assert expected[2] == pytest.approx(0.99 * (1 + 900 + np.log(0.5)) / 0.02)
+    assert np.allclose(tau, expected)
+    assert np.allclose(brpo.temperature(beta, lam, w, 0.99, 1.5, 1.0, 0), 0.99 * 1.5 / 0.02)
+    assert np.allclose(brpo.temperature(beta, lam, w, 0.99, 1.5, 0.9, 3), 0.99 * 1.5 * 0.9**3 / 0.02)
+
+
+# ---------------------------------------------------------------------------------------------
+# Projection layer
+# ---------------------------------------------------------------------------------------------
+def test_projection_feasible_and_optimal(brpo):
+    rng = np.random.default_rng(3)
+    for n_actions in (2, 3, 4, 5):
+        for kind in KINDS:
+            d, w, _ = random_instance(rng, 40, n_actions, kind)
+            lt = rng.normal(0.5, 1.0, size=d.shape)  # also outside [0, 1]
+            lam = brpo.project_confidence(torch.as_tensor(lt), d).numpy()
+            assert_feasible(lam, d)
+            # no feasible point is closer: vertices and random convex combinations of vertices
+            dist = ((lam - lt) ** 2).sum(1)
+            for i in range(len(d)):
+                verts = vertices_reference(np.where(np.abs(d[i]) > 1e-12, d[i], 0.0))
+                mix = rng.dirichlet(np.ones(len(verts)), size=200) @ verts
+                others = np.concatenate([verts, mix])
+                assert dist[i] <= ((others - lt[i]) ** 2).sum(1).min() * (1 + 1e-10) + 1e-12
+    # d = 0: projection is the clip
+    lt = rng.normal(0.5, 1.0, size=(10, 3))
+    assert np.allclose(brpo.project_confidence(torch.as_tensor(lt), np.zeros((10, 3))).numpy(), np.clip(lt, 0, 1))
+    # feasible input is a fixed point
+    d, _, _ = random_instance(rng, 10, 3, "generic")
+    x = brpo.project_confidence(torch.as_tensor(rng.random((10, 3))), d)
+    assert np.allclose(brpo.project_confidence(x, d).numpy(), x.numpy(), atol=1e-12)
+
+
+def test_projection_gradcheck(brpo):
+    rng = np.random.default_rng(4)
+    for kind in ("generic", "zeros", "mixed"):
+        d, _, _ = random_instance(rng, 6, 4, kind)
+        lt = torch.tensor(rng.normal(0.5, 0.6, size=d.shape), dtype=torch.float64, requires_grad=True)
+        assert torch.autograd.gradcheck(lambda x: brpo.project_confidence(x, d), (lt,), eps=1e-7, atol=1e-6)
+        out = brpo.project_confidence(lt, d)
+        out.sum().backward()  # gradient exists and is finite
+        assert torch.isfinite(lt.grad).all()
+
+
+def test_confidence_fit_matches_autograd(brpo):
+    """Training uses confidence_fit (numpy value + gradient); it must equal autograd through the
+    differentiable projection layer and the paper's KL loss."""
+    rng = np.random.default_rng(6)
+    for n_actions in (2, 3, 4):
+        for kind in KINDS:
+            d, w, k = random_instance(rng, 32, n_actions, kind)
+            floor = np.maximum(-d, 0.0)  # a beta with rho = beta + d >= 0
+            beta = floor + (1.0 - floor.sum(1, keepdims=True)) * rng.dirichlet(np.ones(n_actions), size=32)
+            rho = beta + d
+            target = beta + brpo.solve_confidence(d, w, k) * d
+            lt = rng.normal(0.5, 0.6, size=d.shape)
+            loss, grad = brpo.confidence_fit(lt, d, beta, rho, target)
+            x = torch.tensor(lt, requires_grad=True)
+            lam = brpo.project_confidence(x, d)
+            ref = brpo.kl_fit_loss(t64(beta) + lam * t64(d), t64(target))
+            ref.backward()
+            assert loss == pytest.approx(ref.item(), rel=1e-10, abs=1e-14)
+            assert np.allclose(grad, x.grad.numpy(), rtol=1e-8, atol=1e-12)
+
+
+# ---------------------------------------------------------------------------------------------
+# Networks: pi is a distribution at unseen states
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("epsilon", [0.0, 0.15, 1.0])
+def test_residual_policy_is_distribution_anywhere(brpo, epsilon):
+    torch.manual_seed(0)
+    rng = np.random.default_rng(5)
+    obs_dim, n_actions = 6, 3
+    weights = {f"w{i}": rng.normal(size=s).astype(np.float32) for i, s in enumerate([(32, obs_dim), (16, 32), (n_actions, 16)])}
+    weights.update({f"b{i}": rng.normal(size=s[0]).astype(np.float32) for i, s in enumerate([(32,), (16,), (n_actions,)])})
+    behavior = brpo.BehaviorPolicy(weights, epsilon)
+    q_network, confidence = brpo.QNetwork(obs_dim, n_actions), brpo.ConfidenceNetwork(obs_dim, n_actions)
+    with torch.no_grad():  # a critic with huge values and a confident lambda net
+        q_network.net[4].weight.mul_(1e4)
+        confidence.net[4].bias.fill_(3.0)
+    args = brpo.Args(kappa_max=0.01, kappa_decay=0.999)
+    obs = torch.as_tensor(rng.normal(size=(500, obs_dim)) * np.array([1, 10, 100, 1e3, 1e4, 1e5]), dtype=torch.float32)
+    beta = behavior(obs)
+    for n_updates in (0, 10_000):
+        pi, lam, rho = brpo.policy_probs(obs, beta, q_network, confidence, args, n_updates)
+        assert torch.isfinite(pi).all() and (pi >= 0).all()
+        assert torch.allclose(pi.sum(1), torch.ones(500, dtype=torch.float64), atol=1e-12)
+        assert (lam >= 0).all() and (lam <= 1).all()
+        assert ((lam * (rho - beta)).sum(1).abs() <= 1e-9).all()
+        assert (pi[beta == 0] == 0).all()  # never an action the behaviour policy cannot take
+        # without the renormalisation pi is already a distribution (it only removes rounding)
+        raw = beta + lam * (rho - beta)
+        assert (raw >= -1e-15).all() and torch.allclose(raw.sum(1), torch.ones(500, dtype=torch.float64), atol=1e-12)
+    stats = brpo.policy_stats(obs, beta, q_network, confidence, args, 10_000)
+    assert all(np.isfinite(v) for v in stats.values())
+
+
+def test_kl_fit_loss(brpo):
+    p = t64([[0.5, 0.5, 0.0], [1.0, 0.0, 0.0]])
+    assert brpo.kl_fit_loss(p, p).item() == 0.0
+    q = t64([[0.25, 0.75, 0.0], [0.5, 0.5, 0.0]])
+    ref = (0.5 * np.log(2) + 0.5 * np.log(0.5 / 0.75) + np.log(2)) / 2
+    assert brpo.kl_fit_loss(p, q).item() == pytest.approx(ref)
+    assert torch.isfinite(torch.tensor(brpo.kl_fit_loss(q, p).item()))  # zero target mass: clamped, finite
+
+
+# ---------------------------------------------------------------------------------------------
+# End to end (subprocess, tiny budgets)
+# ---------------------------------------------------------------------------------------------
+def train(script, dataset, tmp_path, name, *extra):
+    proc = run([REPO / script, "--dataset-path", dataset, "--runs-dir", tmp_path / "runs", "--run-name", name, *TINY, *extra])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads((tmp_path / "runs" / name / "result.json").read_text())
+
+
+@pytest.mark.parametrize("script", ["brpo.py", "brpo_c.py"])
+def test_end_to_end_deterministic(script, datasets, tmp_path):
+    # strong settings so that pi departs from beta and the sampling path is really exercised
+    extra = ["--kappa-max", "0.01", "--seed", "3"] + (["--save-model"] if script == "brpo.py" else [])
+    r1 = train(script, datasets[0.15], tmp_path, "a", *extra)
+    r2 = train(script, datasets[0.15], tmp_path, "b", *extra)
+    assert r1["evaluations"] == r2["evaluations"]
+    assert r1["extra"] == r2["extra"]
+    assert [e["step"] for e in r1["evaluations"]] == [100, 200, 300]
+    assert r1["algorithm"] == script[:-3]
+    for key in ("mean_lambda", "share_lambda_gt_half", "kl_pi_beta", "lower_bound", "L1", "L2", "L3"):
+        assert np.isfinite(r1["extra"][key])
+    assert r1["extra"]["kl_pi_beta"] > 0  # pi is not beta
+    if script == "brpo.py":
+        proc = run([REPO / script, "--eval-checkpoint", tmp_path / "runs" / "a" / "model.pt", "--eval-episodes", "2"])
+        assert proc.returncode == 0, proc.stderr
+        assert f"{r1['evaluations'][-1]['return_mean']:.2f}" in proc.stdout  # same policy, same eval seed
+
+
+@pytest.mark.parametrize("script", ["brpo.py", "brpo_c.py"])
+def test_end_to_end_epsilon_zero(script, datasets, tmp_path):
+    """eps = 0: beta is one-hot, rho and pi must keep zeros (log 0 everywhere) without NaN."""
+    r = train(script, datasets[0.0], tmp_path, "x", "--epsilon", "0", "--kappa-max", "0.001", "--eval-greedy")
+    assert all(np.isfinite(e["return_mean"]) for e in r["evaluations"])
+    assert all(np.isfinite(v) for v in r["extra"].values())
+
+
+def test_brpo_c_differs_only_in_confidence():
+    brpo_src = (REPO / "brpo.py").read_text().splitlines()
+    c_src = set((REPO / "brpo_c.py").read_text().splitlines())
+    # the critic update, the target update and the evaluation are verbatim the same lines
+    for needle in ("next_v = mixed_value(", "td_target = rewards[idx]", "tp.lerp_(p, args.tau)", "returns = evaluate(act"):
+        line = next(line for line in brpo_src if needle in line)
+        assert line in c_src
+
+
+@pytest.mark.parametrize("script,flag,value", [("brpo.py", "mu", 1.5), ("brpo.py", "kappa_decay", 0.0),
+                                               ("brpo.py", "kappa_max", -1.0), ("brpo.py", "confidence_learning_rate", 0.0),
+                                               ("brpo_c.py", "lam", 2.0)])
+def test_bad_flags(script, flag, value):
+    module = load_script(script)
+    with pytest.raises(SystemExit, match="--" + flag.replace("_", "-")):
+        module.check_args(module.Args(**{flag: value}))
