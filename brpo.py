@@ -734,7 +734,7 @@ def candidate(beta, lam_tilde, w, args, n_updates, log_beta=None):
 
 
 def policy_probs(obs, beta, q_network, confidence, args, n_updates):
-    """pi(.|s), lambda(s, .), rho(.|s) at arbitrary states (no gradient): the deployed residual policy."""
+    """pi(.|s), lambda(s, .), rho(.|s) and W(s, .) at arbitrary states (no gradient): the deployed residual policy."""
     with torch.no_grad():
         q = q_network(obs).double()
         w = q - mixed_value(q, beta, args.mu).unsqueeze(1)
@@ -742,7 +742,7 @@ def policy_probs(obs, beta, q_network, confidence, args, n_updates):
         rho, _ = candidate(beta.numpy(), lam_tilde.numpy(), w.numpy(), args, n_updates)
         lam = project_confidence(lam_tilde, rho - beta.numpy())
         rho = torch.from_numpy(rho)
-        return residual_policy(beta, rho, lam), lam, rho
+        return residual_policy(beta, rho, lam), lam, rho, w
 
 
 def make_actor(behavior, q_network, confidence, args, greedy: bool):
@@ -752,7 +752,7 @@ def make_actor(behavior, q_network, confidence, args, greedy: bool):
 
     def act(obs: np.ndarray) -> np.ndarray:
         o = torch.from_numpy(obs)
-        pi, _, _ = policy_probs(o, behavior(o), q_network, confidence, args, state["n_updates"])
+        pi = policy_probs(o, behavior(o), q_network, confidence, args, state["n_updates"])[0]
         if greedy:
             return pi.argmax(1).numpy()
         return torch.multinomial(pi, 1, generator=state["generator"]).squeeze(1).numpy()
@@ -762,10 +762,8 @@ def make_actor(behavior, q_network, confidence, args, greedy: bool):
 
 def policy_stats(obs, beta, q_network, confidence, args, n_updates) -> dict:
     """Diagnostics on a set of dataset states: confidence, distance to beta, SAA bound and its terms."""
-    pi, lam, rho = policy_probs(obs, beta, q_network, confidence, args, n_updates)
+    pi, lam, rho, w = policy_probs(obs, beta, q_network, confidence, args, n_updates)
     with torch.no_grad():
-        q = q_network(obs).double()
-        w = q - mixed_value(q, beta, args.mu).unsqueeze(1)
         kl = (pi * (torch.log(pi.clamp_min(LOG_CLAMP)) - torch.log(beta.clamp_min(LOG_CLAMP)))).sum(1).mean()
         bound, l1, l2, l3 = lower_bound_terms(beta, rho, lam, w, args.gamma, args.mu, args.penalty_one_minus_mu)
         support = beta > 0

@@ -328,7 +328,8 @@ def test_residual_policy_is_distribution_anywhere(brpo, epsilon):
     obs = torch.as_tensor(rng.normal(size=(500, obs_dim)) * np.array([1, 10, 100, 1e3, 1e4, 1e5]), dtype=torch.float32)
     beta = behavior(obs)
     for n_updates in (0, 10_000):
-        pi, lam, rho = brpo.policy_probs(obs, beta, q_network, confidence, args, n_updates)
+        pi, lam, rho, w = brpo.policy_probs(obs, beta, q_network, confidence, args, n_updates)
+        assert torch.isfinite(w).all()
         assert torch.isfinite(pi).all() and (pi >= 0).all()
         assert torch.allclose(pi.sum(1), torch.ones(500, dtype=torch.float64), atol=1e-12)
         assert (lam >= 0).all() and (lam <= 1).all()
