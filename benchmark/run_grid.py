@@ -21,6 +21,7 @@ See docs/benchmark.md for the full description.
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
 import datetime
 import itertools
@@ -60,16 +61,6 @@ COMMON_FLAGS = {
     "env_id", "epsilon", "seed", "total_steps", "eval_frequency", "eval_episodes", "eval_seed",
     "dataset_path", "learning_rate", "batch_size", "gamma", "target_update_frequency", "tau",
     "runs_dir", "run_name", "exp_name", "save_model", "eval_checkpoint", "threads", "track",
-}
-# Algorithm-specific flags known from the paper's hyperparameter tables.
-ALGO_FLAGS = {
-    "bcq": {"bcq_threshold"},
-    "spibb": {"spibb_threshold"},
-    "klq": {"kl_weight"},
-    "brpo": {"mu", "confidence_learning_rate"},
-    "brpo_c": {"mu", "lam"},
-    "dqn": set(),
-    "bc": set(),
 }
 # Flags that define the cell itself and can therefore not be swept.
 RESERVED_FLAGS = {"env_id", "epsilon", "seed", "runs_dir", "run_name", "threads", "exp_name", "dataset_path"}
@@ -235,13 +226,28 @@ def expand_grid(envs, epsilons, algos, seeds, grid: dict[str, dict[str, list]] |
     return cells
 
 
-def unknown_flag_warnings(grid: dict[str, dict[str, list]]) -> list[str]:
+def script_flags(script: Path) -> set[str] | None:
+    """Field names of the script's `Args` dataclass (its flags, underscore spelling), read with ast so that the
+    list cannot drift from the scripts; None if the script or its Args class cannot be read."""
+    try:
+        tree = ast.parse(Path(script).read_text())
+    except (OSError, SyntaxError):
+        return None
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef) and node.name == "Args":
+            return {t.target.id for t in node.body if isinstance(t, ast.AnnAssign) and isinstance(t.target, ast.Name)}
+    return None
+
+
+def unknown_flag_warnings(grid: dict[str, dict[str, list]], repo: Path | None = None) -> list[str]:
+    repo = Path(repo) if repo else Path(__file__).resolve().parent.parent
     out = []
     for algo, params in grid.items():
+        script = ALGORITHMS[algo][0]
+        known = script_flags(repo / script)
         for key in params:
-            if key not in COMMON_FLAGS and key not in ALGO_FLAGS.get(algo, set()):
-                out.append(f"warning: --{key.replace('_', '-')} is not a known flag of {ALGORITHMS[algo][0]}; "
-                           "passing it through")
+            if known is not None and key not in known:
+                out.append(f"--{key.replace('_', '-')} is not a flag of {script}")
     return out
 
 
@@ -621,13 +627,14 @@ def _main(opts: argparse.Namespace) -> int:
     grids = [load_grid_file(opts.grid, algos)] if opts.grid else []
     grids += [parse_sweep(s, algos) for s in opts.sweep]
     grid = {a: p for a, p in merge_grids(*grids).items() if a in algos}
-    for w in unknown_flag_warnings(grid):
-        print(w, file=sys.stderr)
 
     settings = {"total_steps": opts.total_steps, "eval_frequency": opts.eval_frequency,
                 "eval_episodes": opts.eval_episodes}
     out = opts.out.resolve()
     repo = opts.repo.resolve()
+    unknown = unknown_flag_warnings(grid, repo)
+    if unknown:  # every run would fail on it: stop before starting any
+        raise GridError(f"{unknown[0]} (see the script's --help for its flags)")
     cells = expand_grid(envs, epsilons, algos, seeds, grid)
 
     finished, pending, stale = [], [], []

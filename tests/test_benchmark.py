@@ -148,6 +148,13 @@ def test_paper_sweep_file_matches_paper_ranges():
     assert run_grid.unknown_flag_warnings(grid) == []
 
 
+def test_flags_are_read_from_the_scripts():
+    assert {"mu", "confidence_learning_rate", "penalty_scale", "kappa_max"} <= run_grid.script_flags(BENCH.parent / "brpo.py")
+    assert "lam" in run_grid.script_flags(BENCH.parent / "brpo_c.py") and "lam" not in run_grid.script_flags(BENCH.parent / "brpo.py")
+    assert run_grid.unknown_flag_warnings({"brpo": {"lam": [0.5]}, "klq": {"kl_weight": [0.1]}}) == [
+        "--lam is not a flag of brpo.py"]
+
+
 def test_command_format():
     cell = Cell("Acrobot-v1", 0.15, "brpo", 3, (("mu", 0.5),))
     cmd = run_grid.build_command(cell, {"total_steps": 20000, "eval_frequency": None}, Path("/o"), "python", 1)
@@ -167,6 +174,7 @@ def test_command_format():
     (["--envs", "LunarLander-v2"], "use LunarLander-v3"),
     (["--sweep", "brpo_c-lam"], "bad --sweep"),
     (["--sweep", "brpo:seed=1,2"], "cannot be swept"),
+    (["--sweep", "brpo:lam=0.5"], "--lam is not a flag of brpo.py"),
     (["--grid", "/nonexistent.json"], "not found"),
 ])
 def test_bad_input_one_line_error(argv, message, capsys, tmp_path):
