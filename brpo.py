@@ -55,18 +55,23 @@ from torch.utils.tensorboard import SummaryWriter
 
 REPO = Path(__file__).resolve().parent
 FORMAT_VERSION = 1
-# Temperature remedy defaults (paper, end of Sec. 5). Without them tau >= 49.5 and rho stays within ~1% of
-# beta (see temperature()), so BRPO could not improve on beta at all. The cap at 1 (kappa's smallest value)
-# removes the weighted-Pinsker growth of kappa_{|W| lambda} ~ 1 + max W^2 lambda^2, which made tau scale
-# with the squared advantage; the decay then anneals tau from 49.5 to 49.5 * 0.99995^100000 = 0.33 over
-# the default 100k updates: rho moves from beta towards the critic's preferred actions gradually, and
-# lambda-bar* decides where that is trusted. Measured (eps 0.15, 100k updates, seed 1; behaviour on the
-# same evaluation episodes: CartPole 246, Acrobot -116): decay 0.99995 -> 253 / -110 and -114 (two runs);
-# decay 0.9999 (tau -> 0.002, an almost greedy rho) -> 227 / -104.5; kappa_max 0.02 without decay
-# (tau = 0.99) -> 249 on CartPole. 0.9999 collapsed on CartPole in its last 40k updates; 0.99995 ends at or
-# above the behaviour policy on both tasks (small gains, within run-to-run noise). docs/brpo.md has more.
-KAPPA_MAX_DEFAULT = 1.0
-KAPPA_DECAY_DEFAULT = 0.99995
+# Defaults of the temperature remedy (paper, end of Sec. 5) and of the bound's penalty. Measured with
+# docs/brpo.md's probe grids (single seeds, 20k updates); the reasons:
+# * Without the remedy tau >= gamma / (2 - 2 gamma) = 49.5 (kappa >= 1) and rho stays within ~1% of beta:
+#   BRPO cannot move. kappa_max = 0.02 without decay gives tau = 0.99, constant over training, in units of
+#   the critic's mean action gap (--advantage-unit, our departure: the paper's tau is a pure number, W is
+#   not). Then rho(a|s) / beta(a|s) <= exp(gap / tau): an action the behaviour policy rarely takes stays
+#   rare in rho, which is what keeps BRPO at beta on near-deterministic data (eps = 0.05), while at large
+#   eps rho follows the critic. A greedier rho (kappa_max 0.005, 0.001) gains more at eps = 1 but collapses
+#   to offline-DQN returns at eps = 0.05 (CartPole 9 .. 135 vs behaviour 249): the critic's values of
+#   unseen actions are not to be trusted, and nothing in the bound knows that.
+# * penalty_scale = 0.1: the paper's SAA penalty (1 - mu) gamma / (1 - gamma)^2 L'' L''' lets lambda-bar*
+#   move pi only about (1 - gamma) / (4 gamma (1 - mu)) = 2.5% in total variation from beta (CartPole
+#   eps = 1, raw-unit tau 0.99: 32 at scale 1, 101 at 0.1, 132 at 0.01); 0.1 leaves a ~25% budget in which
+#   lambda-bar* still chooses (mean lambda 0.47 - 0.98 on the eps >= 0.25 datasets). Like TRPO replacing CPI's theoretical coefficient by a
+#   tunable step size; 0.01 switches the penalty off in practice (lambda = 1 everywhere).
+KAPPA_MAX_DEFAULT = 0.02
+KAPPA_DECAY_DEFAULT = 1.0
 
 
 @dataclass
@@ -119,8 +124,13 @@ class Args:
     """cap of the temperature's kappa: kappa <- min(kappa_max, kappa) (paper, end of Sec. 5)"""
     kappa_decay: float = KAPPA_DECAY_DEFAULT
     """temperature decay kappa <- kappa * kappa_decay**k, k = number of updates done (paper, end of Sec. 5)"""
+    advantage_unit: bool = True
+    """in the relative softmax, measure W in units of the critic's mean action gap (running average) so that the
+    temperature means the same on every task (departure from the paper; --no-advantage-unit: raw W)"""
     penalty_one_minus_mu: bool = True
     """scale the bound's penalty L'' L''' by (1 - mu) like the appendix's mu-weighted bound (off: main text)"""
+    penalty_scale: float = 0.1
+    """multiplies the penalty of the objective the lambda-bar* solver maximises (1 = the paper's SAA bound)"""
     eval_greedy: bool = False
     """evaluate argmax_a pi(a|s) instead of sampling a ~ pi(.|s) (the guarantee is about the stochastic pi)"""
 
@@ -147,6 +157,8 @@ def check_args(args: Args) -> None:
         fail(f"--mu must lie in [0, 1], got {args.mu}")
     if not args.confidence_learning_rate > 0:
         fail(f"--confidence-learning-rate must be positive, got {args.confidence_learning_rate}")
+    if not args.penalty_scale >= 0:
+        fail(f"--penalty-scale must be >= 0, got {args.penalty_scale}")
     if not args.kappa_max > 0:
         fail(f"--kappa-max must be positive, got {args.kappa_max}")
     if not 0.0 < args.kappa_decay <= 1.0:
@@ -237,6 +249,8 @@ class QNetwork(nn.Module):
 LOG_CLAMP = 1e-12  # floor inside logs of probabilities: exact zeros (eps=0) must give 0*log0 = 0, not NaN
 W_CLAMP = 1e100  # |W| cap before squaring in kappa: W^2 must stay finite in float64
 TAU_MIN = 1e-200  # smallest temperature (see temperature())
+UNIT_RATE = 0.01  # running-average rate of the advantage unit (about the last 100 updates)
+UNIT_MIN = 1e-8  # floor of the advantage unit: a constant critic (all gaps 0) must not divide by 0
 D_ZERO = 1e-12  # |rho - beta| below this is float noise of two distributions that agree (sum to 1 in float64)
 
 
@@ -262,8 +276,8 @@ def temperature(beta, lam, w, gamma, kappa_max, kappa_decay, k, log_beta=None):
     """tau_lambda(s) = gamma * max{kappa_lambda(s), kappa_{|W| lambda}(s)} / (2 - 2 gamma) (eq. relative_soft),
     with the paper's remedy (end of Sec. 5): kappa <- min(kappa_max, kappa) * kappa_decay**k, k = number of
     updates done. Why the remedy is needed: kappa >= 1 always, so tau >= gamma / (2 - 2 gamma) = 49.5 at
-    gamma = 0.99 while the critic's advantages are O(0.1 .. 10): lambda W / tau ~ 1e-2 and rho equals beta
-    to within ~1%, so BRPO could never move away from beta. Defaults: see KAPPA_*_DEFAULT."""
+    gamma = 0.99 while advantages are O(1) (in action-gap units, see advantage_unit): lambda W / tau ~ 1e-2
+    and rho equals beta to within ~1%, so BRPO could never move away from beta. Defaults: see KAPPA_*_DEFAULT."""
     if kappa_max <= 1.0:  # both kappas are >= 1 (log E exp(g^2) >= 0): the cap binds at every state
         kap = np.full(beta.shape[0], kappa_max * kappa_decay**k)
     else:
@@ -725,21 +739,32 @@ def mixed_value(q: torch.Tensor, beta: torch.Tensor, mu: float) -> torch.Tensor:
     return (1.0 - mu) * (beta * q).sum(1) + mu * q.max(1).values
 
 
-def candidate(beta, lam_tilde, w, args, n_updates, log_beta=None):
+def advantage_unit(q: torch.Tensor) -> float:
+    """Mean action gap max_a Q(s,a) - min_a Q(s,a) over a batch of states: the unit in which the relative
+    softmax measures W (--advantage-unit). Why (departure): the paper's temperature is a pure number (kappa
+    is dimensionless) while lambda W carries the reward's units, so one kappa_max gives an almost greedy rho
+    on a task with large advantages and rho = beta on one with small ones (measured: CartPole's advantages are
+    ~10x Acrobot's). Dividing W by its typical scale makes the defaults task-independent; the choice between
+    actions inside a state, and which states have larger advantages than others, are unchanged."""
+    return float((q.max(1).values - q.min(1).values).mean())
+
+
+def candidate(beta, lam_tilde, w, args, n_updates, unit, log_beta=None):
     """rho from the current confidence (coordinate ascent, Sec. 5): tau from kappa, then relative softmax.
     Takes and returns float64 numpy arrays."""
     log_beta = log_probs(beta) if log_beta is None else log_beta
+    w = w / max(unit, UNIT_MIN) if args.advantage_unit else w
     tau = temperature(beta, lam_tilde, w, args.gamma, args.kappa_max, args.kappa_decay, n_updates, log_beta)
     return candidate_policy(beta, lam_tilde, w, tau, log_beta), tau
 
 
-def policy_probs(obs, beta, q_network, confidence, args, n_updates):
+def policy_probs(obs, beta, q_network, confidence, args, n_updates, unit):
     """pi(.|s), lambda(s, .), rho(.|s) and W(s, .) at arbitrary states (no gradient): the deployed residual policy."""
     with torch.no_grad():
         q = q_network(obs).double()
         w = q - mixed_value(q, beta, args.mu).unsqueeze(1)
         lam_tilde = confidence(obs)
-        rho, _ = candidate(beta.numpy(), lam_tilde.numpy(), w.numpy(), args, n_updates)
+        rho, _ = candidate(beta.numpy(), lam_tilde.numpy(), w.numpy(), args, n_updates, unit)
         lam = project_confidence(lam_tilde, rho - beta.numpy())
         rho = torch.from_numpy(rho)
         return residual_policy(beta, rho, lam), lam, rho, w
@@ -747,12 +772,13 @@ def policy_probs(obs, beta, q_network, confidence, args, n_updates):
 
 def make_actor(behavior, q_network, confidence, args, greedy: bool):
     """act(obs) for evaluate(); sampling uses its own generator, re-seeded before every evaluation so that
-    evaluations do not depend on training randomness (state['n_updates'] drives the temperature decay)."""
-    state = {"n_updates": 0, "generator": torch.Generator()}
+    evaluations do not depend on training randomness (state['n_updates'] drives the temperature decay,
+    state['unit'] is the advantage unit at that time)."""
+    state = {"n_updates": 0, "unit": 1.0, "generator": torch.Generator()}
 
     def act(obs: np.ndarray) -> np.ndarray:
         o = torch.from_numpy(obs)
-        pi = policy_probs(o, behavior(o), q_network, confidence, args, state["n_updates"])[0]
+        pi = policy_probs(o, behavior(o), q_network, confidence, args, state["n_updates"], state["unit"])[0]
         if greedy:
             return pi.argmax(1).numpy()
         return torch.multinomial(pi, 1, generator=state["generator"]).squeeze(1).numpy()
@@ -760,9 +786,9 @@ def make_actor(behavior, q_network, confidence, args, greedy: bool):
     return act, state
 
 
-def policy_stats(obs, beta, q_network, confidence, args, n_updates) -> dict:
+def policy_stats(obs, beta, q_network, confidence, args, n_updates, unit) -> dict:
     """Diagnostics on a set of dataset states: confidence, distance to beta, SAA bound and its terms."""
-    pi, lam, rho, w = policy_probs(obs, beta, q_network, confidence, args, n_updates)
+    pi, lam, rho, w = policy_probs(obs, beta, q_network, confidence, args, n_updates, unit)
     with torch.no_grad():
         kl = (pi * (torch.log(pi.clamp_min(LOG_CLAMP)) - torch.log(beta.clamp_min(LOG_CLAMP)))).sum(1).mean()
         bound, l1, l2, l3 = lower_bound_terms(beta, rho, lam, w, args.gamma, args.mu, args.penalty_one_minus_mu)
@@ -790,7 +816,7 @@ def run_checkpoint(args: Args) -> None:
     confidence = load_confidence(ckpt, saved)
     behavior = BehaviorPolicy({k: v.numpy() for k, v in ckpt["behavior"].items()}, ckpt["epsilon"])
     act, state = make_actor(behavior, q_network, confidence, saved, args.eval_greedy)
-    state["n_updates"] = ckpt["n_updates"]
+    state["n_updates"], state["unit"] = ckpt["n_updates"], ckpt["advantage_unit"]
     state["generator"].manual_seed(args.eval_seed)
     returns = evaluate(act, envs, args.eval_seed)
     print(f"{args.eval_checkpoint}: {env_id} return {returns.mean():.2f} +- {returns.std():.2f} over {len(returns)} episodes")
@@ -845,7 +871,7 @@ def main(args: Args) -> None:
     confidence = ConfidenceNetwork(obs_dim, n_actions)
     confidence_optimizer = torch.optim.Adam(confidence.parameters(), lr=args.confidence_learning_rate, fused=True)
     # k of f = C - k U V (solver form of the SAA bound), fixed by |B|, gamma, mu
-    k_penalty = penalty_weight(args.batch_size, args.gamma, args.mu, args.penalty_one_minus_mu)
+    k_penalty = penalty_weight(args.batch_size, args.gamma, args.mu, args.penalty_one_minus_mu) * args.penalty_scale
     eval_envs = [make_env(args.env_id) for _ in range(args.eval_episodes)]
     act, actor_state = make_actor(behavior, q_network, confidence, args, args.eval_greedy)
 
@@ -863,12 +889,14 @@ def main(args: Args) -> None:
         loss = F.mse_loss(q, td_target)
         # weighted advantage W = Q - V with the same mu (appendix), from the critic before its step
         q_det = q_all.detach().double()
+        # running advantage unit (see advantage_unit), from the critic before its step like W
+        unit = advantage_unit(q_det) if step == 1 else (1.0 - UNIT_RATE) * unit + UNIT_RATE * advantage_unit(q_det)
         w = q_det - mixed_value(q_det, beta, args.mu).unsqueeze(1)
 
         # --- confidence (Algorithm 1, lines 3-5) ---
         lam_tilde = confidence(s)
         beta_np, w_np = beta.numpy(), w.numpy()
-        rho_np, tau = candidate(beta_np, lam_tilde.detach().numpy(), w_np, args, step - 1,
+        rho_np, tau = candidate(beta_np, lam_tilde.detach().numpy(), w_np, args, step - 1, unit,
                                 log_behavior_probs[idx.numpy()])  # eq. relative_soft
         d = rho_np - beta_np
         lam_star = solve_confidence(d, w_np, k_penalty)  # lambda-bar*
@@ -892,19 +920,20 @@ def main(args: Args) -> None:
         if writer and step % 100 == 0:
             writer.add_scalar("losses/td_loss", loss.item(), step)
             writer.add_scalar("losses/q_values", q.mean().item(), step)
+            writer.add_scalar("confidence/advantage_unit", unit, step)
             writer.add_scalar("losses/confidence_loss", confidence_loss, step)
             writer.add_scalar("confidence/mean_lambda_star", float(lam_star.mean()), step)
             writer.add_scalar("confidence/mean_tau", float(tau.mean()), step)
             star = lower_bound_terms(beta, torch.from_numpy(rho_np), torch.from_numpy(lam_star), w, args.gamma, args.mu,
                                      args.penalty_one_minus_mu)[0]
             writer.add_scalar("losses/lower_bound_star", star, step)
-            for key, value in policy_stats(s, beta, q_network, confidence, args, step).items():
+            for key, value in policy_stats(s, beta, q_network, confidence, args, step, unit).items():
                 writer.add_scalar(f"confidence/{key}" if "lambda" in key else f"losses/{key}", value, step)
 
         if step % args.eval_frequency == 0 or step == args.total_steps:
             now = time.perf_counter()
             train_time += now - block_start
-            actor_state["n_updates"] = step
+            actor_state["n_updates"], actor_state["unit"] = step, unit
             actor_state["generator"].manual_seed(args.eval_seed)
             returns = evaluate(act, eval_envs, args.eval_seed)
             block_start = time.perf_counter()
@@ -917,7 +946,7 @@ def main(args: Args) -> None:
                 writer.add_scalar("charts/SPS", sps, step)
 
     final_score = float(np.mean([e["return_mean"] for e in evaluations[-10:]]))
-    extra = policy_stats(obs[stats_idx], behavior_probs[stats_idx], q_network, confidence, args, args.total_steps)
+    extra = policy_stats(obs[stats_idx], behavior_probs[stats_idx], q_network, confidence, args, args.total_steps, unit)
     result = {
         "algorithm": Path(__file__).stem, "env_id": args.env_id, "epsilon": args.epsilon, "seed": args.seed,
         "args": asdict(args), "evaluations": evaluations, "final_score": final_score,
@@ -929,7 +958,8 @@ def main(args: Args) -> None:
         torch.save({"algorithm": Path(__file__).stem, "env_id": args.env_id, "obs_dim": obs_dim, "n_actions": n_actions,
                     "args": asdict(args), "q_network": q_network.state_dict(), "confidence": confidence.state_dict(),
                     "behavior": {k: torch.as_tensor(data[f"behavior_{k}"]) for k in ("w0", "b0", "w1", "b1", "w2", "b2")},
-                    "epsilon": float(data["epsilon"]), "n_updates": args.total_steps}, run_dir / "model.pt")
+                    "epsilon": float(data["epsilon"]), "n_updates": args.total_steps,
+                    "advantage_unit": unit}, run_dir / "model.pt")
     write_json_atomic(run_dir / "result.json", result)
     if writer:
         writer.add_scalar("eval/final_score", final_score, args.total_steps)

@@ -237,6 +237,45 @@ def test_candidate_policy(brpo):
     assert np.isfinite(kap).all() and np.allclose(kap, 1.0 + 1e6)
 
 
+@pytest.mark.parametrize("script", ["brpo.py", "brpo_c.py"])
+def test_advantage_unit_makes_rho_scale_free(script):
+    mod = load_script(script)
+    q = torch.tensor([[1.0, 3.0, 2.0], [0.0, 0.0, 4.0]], dtype=torch.float64)
+    assert mod.advantage_unit(q) == pytest.approx(3.0)  # mean of the gaps 2 and 4
+    rng = np.random.default_rng(7)
+    beta = rng.dirichlet(np.ones(3), size=20)
+    beta[:5, 0] = 0.0
+    beta /= beta.sum(1, keepdims=True)
+    w, lam = rng.normal(size=(20, 3)), rng.random((20, 3))
+    args = mod.Args(kappa_max=0.02, kappa_decay=1.0)
+    rho, tau = mod.candidate(beta, lam, w, args, 0, 0.5)
+    # rewards x 1000 -> advantages and their unit x 1000: the same candidate policy
+    rho_big, _ = mod.candidate(beta, lam, 1000.0 * w, args, 0, 500.0)
+    assert np.allclose(rho, rho_big, atol=1e-12) and np.allclose(tau, 0.99 * 0.02 / 0.02)
+    # it is the relative softmax of W / unit
+    ref = beta * np.exp(lam * (w / 0.5) / tau[:, None])
+    assert np.allclose(rho, ref / ref.sum(1, keepdims=True), atol=1e-12)
+    # --no-advantage-unit: the paper's raw W, the unit is ignored
+    raw = mod.Args(kappa_max=0.02, kappa_decay=1.0, advantage_unit=False)
+    assert np.allclose(mod.candidate(beta, lam, w, raw, 0, 0.5)[0], mod.candidate(beta, lam, w, raw, 0, 123.0)[0])
+    # a zero unit (constant critic) is floored, never a division by zero
+    rho0, _ = mod.candidate(beta, lam, w, args, 0, 0.0)
+    assert np.isfinite(rho0).all() and np.allclose(rho0.sum(1), 1.0)
+
+
+def test_penalty_scale_zero_is_the_unpenalised_lp(brpo):
+    rng = np.random.default_rng(11)
+    for n_actions in (2, 3, 4):
+        beta = rng.dirichlet(np.ones(n_actions), size=16)
+        rho = rng.dirichlet(np.ones(n_actions), size=16)
+        d, w = rho - beta, rng.normal(size=(16, n_actions))
+        lam = brpo.solve_confidence(d, w, 0.0)
+        assert (lam >= 0).all() and (lam <= 1).all() and (np.abs((lam * d).sum(1)) <= 1e-9).all()
+        # without penalty the objective is linear and separable: each state's best vertex (brute force)
+        best = sum(max(float(v @ (d[i] * w[i])) for v in brpo.enumerate_vertices(d[i:i + 1])[0]) for i in range(16))
+        assert float((lam * d * w).sum()) == pytest.approx(best, rel=1e-9, abs=1e-12)
+
+
 def test_temperature_cap_and_decay(brpo):
     beta = np.full((3, 2), 0.5)
     lam = np.ones((3, 2))
@@ -327,8 +366,8 @@ def test_residual_policy_is_distribution_anywhere(brpo, epsilon):
     args = brpo.Args(kappa_max=0.01, kappa_decay=0.999)
     obs = torch.as_tensor(rng.normal(size=(500, obs_dim)) * np.array([1, 10, 100, 1e3, 1e4, 1e5]), dtype=torch.float32)
     beta = behavior(obs)
-    for n_updates in (0, 10_000):
-        pi, lam, rho, w = brpo.policy_probs(obs, beta, q_network, confidence, args, n_updates)
+    for n_updates, unit in ((0, 1.0), (10_000, 1e-3), (10_000, 0.0)):  # unit 0: a constant critic's gap
+        pi, lam, rho, w = brpo.policy_probs(obs, beta, q_network, confidence, args, n_updates, unit)
         assert torch.isfinite(w).all()
         assert torch.isfinite(pi).all() and (pi >= 0).all()
         assert torch.allclose(pi.sum(1), torch.ones(500, dtype=torch.float64), atol=1e-12)
@@ -338,7 +377,7 @@ def test_residual_policy_is_distribution_anywhere(brpo, epsilon):
         # without the renormalisation pi is already a distribution (it only removes rounding)
         raw = beta + lam * (rho - beta)
         assert (raw >= -1e-15).all() and torch.allclose(raw.sum(1), torch.ones(500, dtype=torch.float64), atol=1e-12)
-    stats = brpo.policy_stats(obs, beta, q_network, confidence, args, 10_000)
+    stats = brpo.policy_stats(obs, beta, q_network, confidence, args, 10_000, 1e-3)
     assert all(np.isfinite(v) for v in stats.values())
 
 
@@ -388,16 +427,29 @@ def test_end_to_end_epsilon_zero(script, datasets, tmp_path):
 
 
 def test_brpo_c_differs_only_in_confidence():
-    brpo_src = (REPO / "brpo.py").read_text().splitlines()
-    c_src = set((REPO / "brpo_c.py").read_text().splitlines())
-    # the critic update, the target update and the evaluation are verbatim the same lines
-    for needle in ("next_v = mixed_value(", "td_target = rewards[idx]", "tp.lerp_(p, args.tau)", "returns = evaluate(act"):
+    import ast
+
+    def top_level(path):
+        src = path.read_text()
+        return {n.name: ast.get_source_segment(src, n) for n in ast.parse(src).body
+                if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+
+    brpo, brpo_c = top_level(REPO / "brpo.py"), top_level(REPO / "brpo_c.py")
+    # every function and class the two files share is verbatim the same, except where the confidence enters
+    differ = {name for name in brpo.keys() & brpo_c.keys() if brpo[name] != brpo_c[name]}
+    assert differ == {"Args", "check_args", "policy_probs", "load_confidence", "main"}
+    assert set(brpo_c) - set(brpo) == {"ConstantConfidence"}
+    brpo_src, c_src = (REPO / "brpo.py").read_text().splitlines(), set((REPO / "brpo_c.py").read_text().splitlines())
+    # inside main, the critic update, the target update and the evaluation are verbatim the same lines
+    for needle in ("next_v = mixed_value(", "td_target = rewards[idx]", "tp.lerp_(p, args.tau)", "returns = evaluate(act",
+                   "unit = advantage_unit(q_det) if step == 1"):
         line = next(line for line in brpo_src if needle in line)
         assert line in c_src
 
 
 @pytest.mark.parametrize("script,flag,value", [("brpo.py", "mu", 1.5), ("brpo.py", "kappa_decay", 0.0),
                                                ("brpo.py", "kappa_max", -1.0), ("brpo.py", "confidence_learning_rate", 0.0),
+                                               ("brpo.py", "penalty_scale", -0.1),
                                                ("brpo_c.py", "lam", 2.0)])
 def test_bad_flags(script, flag, value):
     module = load_script(script)
