@@ -701,16 +701,19 @@ def solve_confidence(d, w, k, n_rays=4, refine_rays=(0.0, -0.03, 0.03, -0.1, 0.1
     best_lam = np.full_like(d, t_const)
     wbar = sv / su if sv > 0 else 1.0
     bsz, n = d.shape
-    lonely, gvec = lonely_generators(d)
+    if n == 2:  # lonely_generators' answer without its cost: one generator (1, 1) per state
+        lonely, gvec = np.ones(bsz, dtype=bool), np.ones((bsz, 1, 2))
+    else:
+        lonely, gvec = lonely_generators(d)
     cuv = np.stack([c, u, v], -1)  # (B, |A|, 3)
     if lonely.all():
-        gvals = (gvec[:, :, :, None] * cuv[:, None, :, :]).sum(2).reshape(-1, 3)  # (B (|A|-1), 3)
+        gvals = (gvec @ cuv).reshape(-1, 3)  # (B (|A|-1), 3): (c, u, v) of every generator
         t0 = np.full(gvals.shape[0], t_const)
         best_f, t = _solve_generators(gvals[:, 0], gvals[:, 1], gvals[:, 2], k, wbar, n_rays, refine_rays, best_f, t0)
         # the clip only removes rounding: sum_i |d_i| / |d_j| is 1 up to ~1e-15, and so is lambda_j at t = 1
         return best_lam if t is t0 else np.clip((t.reshape(bsz, n - 1, 1) * gvec).sum(1), 0.0, 1.0)
     gvec, cuv_g = gvec[lonely].reshape(-1, n), cuv[lonely]
-    gvals = (gvec.reshape(-1, n - 1, n, 1) * cuv_g[:, None, :, :]).sum(2).reshape(-1, 3)  # (G, 3)
+    gvals = (gvec.reshape(-1, n - 1, n) @ cuv_g).reshape(-1, 3)  # (G, 3)
     hard = ~lonely  # states whose P_s is not a parallelepiped: vertex enumeration and envelope sweep
     cand = enumerate_vertices(d[hard])
     cand, vals = _prune(cand, cand @ cuv[hard])
@@ -795,7 +798,10 @@ class ConfidenceNetwork(nn.Module):
         self.net = nn.Sequential(nn.Linear(obs_dim, 32), nn.ReLU(), nn.Linear(32, 16), nn.ReLU(), nn.Linear(16, n_actions))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.sigmoid(self.net(x)).double()
+        # float32 like the network: the numpy side converts to float64 (exactly), and the training loss
+        # (lambda~ . g) then backpropagates without a float64 copy in the graph (same gradient: g is rounded
+        # to float32 either way)
+        return torch.sigmoid(self.net(x))
 
 
 def mixed_value(q: torch.Tensor, beta: torch.Tensor, mu: float) -> torch.Tensor:
@@ -816,7 +822,7 @@ def policy_probs(obs, beta, q_network, confidence, args, n_updates):
     with torch.no_grad():
         q = q_network(obs).double()
         w = q - mixed_value(q, beta, args.mu).unsqueeze(1)
-        lam_tilde = confidence(obs)
+        lam_tilde = confidence(obs).double()
         rho, _ = candidate(beta.numpy(), lam_tilde.numpy(), w.numpy(), args, n_updates)
         lam = project_confidence(lam_tilde, rho - beta.numpy())
         rho = torch.from_numpy(rho)
@@ -919,9 +925,11 @@ def main(args: Args) -> None:
     target_network.load_state_dict(q_network.state_dict())
     # fused Adam: the same update in one kernel; at this size the per-parameter Python loop of the default
     # implementation is a visible share of an update
-    optimizer = torch.optim.Adam(q_network.parameters(), lr=args.learning_rate, fused=True)
     confidence = ConfidenceNetwork(obs_dim, n_actions)
-    confidence_optimizer = torch.optim.Adam(confidence.parameters(), lr=args.confidence_learning_rate, fused=True)
+    # one optimiser, one parameter group (own learning rate) per network: the same two Adam updates as two
+    # optimisers, with half the per-step Python overhead
+    optimizer = torch.optim.Adam([{"params": q_network.parameters(), "lr": args.learning_rate},
+                                  {"params": confidence.parameters(), "lr": args.confidence_learning_rate}], fused=True)
     # k of f = C - k U V (solver form of the SAA bound), fixed by |B|, gamma, mu
     k_penalty = penalty_weight(args.batch_size, args.gamma, args.mu, args.penalty_one_minus_mu)
     eval_envs = [make_env(args.env_id) for _ in range(args.eval_episodes)]
@@ -944,9 +952,10 @@ def main(args: Args) -> None:
         w = q_det - mixed_value(q_det, beta, args.mu).unsqueeze(1)
 
         # --- confidence (Algorithm 1, lines 3-5) ---
-        lam_tilde = confidence(s)
+        lam_tilde = confidence(s)  # float32, in the graph
+        lam_np = lam_tilde.detach().numpy().astype(np.float64)
         beta_np, w_np = beta.numpy(), w.numpy()
-        rho_np, tau = candidate(beta_np, lam_tilde.detach().numpy(), w_np, args, step - 1,
+        rho_np, tau = candidate(beta_np, lam_np, w_np, args, step - 1,
                                 log_behavior_probs[idx.numpy()])  # eq. relative_soft
         d = rho_np - beta_np
         lam_star = solve_confidence(d, w_np, k_penalty)  # lambda-bar*
@@ -954,12 +963,10 @@ def main(args: Args) -> None:
         # KL fit of pi_phi = beta + Phi(lambda~; rho - beta)(rho - beta) to the target (eq. optimize_lambda and
         # "Learning the Confidence"): value and d/d lambda~ in numpy (= autograd through project_confidence
         # and kl_fit_loss, tested); (lambda~ . g) then carries exactly that gradient into the network
-        confidence_loss, grad = confidence_fit(lam_tilde.detach().numpy(), d, beta_np, rho_np, target_pi)
+        confidence_loss, grad = confidence_fit(lam_np, d, beta_np, rho_np, target_pi)
 
         optimizer.zero_grad()
-        confidence_optimizer.zero_grad()
-        (loss + (lam_tilde * torch.from_numpy(grad)).sum()).backward()  # disjoint parameters: one backward
-        confidence_optimizer.step()
+        (loss + (lam_tilde * torch.from_numpy(grad).float()).sum()).backward()  # disjoint parameters: one backward
         optimizer.step()
 
         if step % args.target_update_frequency == 0:
