@@ -515,28 +515,26 @@ def lonely_generators(d):
 
 
 def _generator_path(gvals, alpha, beta_):
-    """Along the ray (a, b) = s (alpha, beta_) a generator with c_g > 0 is on (t_g = 1) until s = c_g / w_g,
-    w_g = alpha u_g + beta_ v_g (> 0: c_g > 0 needs u_g, v_g > 0); c_g <= 0 keeps it off (t_g = 0).
-    Returns on (G,), the switch-off points s (K, G) (inf when never on) and the path start (3,)."""
-    on = gvals[:, 0] > 0
+    """Along the ray (a, b) = s (alpha, beta_) a generator with c_g > 0 (the only ones passed: c_g <= 0 keeps
+    t_g = 0 all along) is on (t_g = 1) until s = c_g / w_g, w_g = alpha u_g + beta_ v_g (> 0 up to underflow:
+    c_g > 0 needs u_g, v_g > 0). Returns the switch-off points s (K, G) and the path start (3,)."""
     wg = alpha[:, None] * gvals[None, :, 1] + beta_[:, None] * gvals[None, :, 2]
-    with np.errstate(divide="ignore", invalid="ignore"):
-        sg = np.where(on, gvals[:, 0] / wg, np.inf)
-    return on, sg, (gvals * on[:, None]).sum(0)
+    with np.errstate(divide="ignore"):
+        return gvals[:, 0] / wg, gvals.sum(0)
 
 
 def _sweep(vals, gvals, alpha, beta_, k):
     """Exact search along rays (a, b) = s (alpha_r, beta_r), s in [0, inf), one ray per entry of alpha.
 
     vals: (B, M, 3) = (c, u, v) . candidate for each non-parallelepiped state and candidate vertex (B may be
-    0); gvals: (G, 3) = (c, u, v) . generator of the parallelepiped states (_generator_path). Rows r*B + b of
+    0); gvals: (G, 3) = (c, u, v) . generator of the parallelepiped states, those with c_g > 0. Rows r*B + b of
     the flattened (K*B, M) arrays are (ray r, state b). Returns per ray the best f on its path of vertices
     and edges of Z, and what _rebuild needs to turn that point back into lambda."""
     bsz, m, _ = vals.shape
     kr = alpha.shape[0]
     nr = kr * bsz
     ar = np.arange(nr)
-    on, sg, p0 = _generator_path(gvals, alpha, beta_)
+    sg, p0 = _generator_path(gvals, alpha, beta_)
     p0 = np.broadcast_to(p0, (kr, 3))
     jn, s_flat, delta = 0, np.zeros((kr, 0)), np.zeros((kr, 0, 3))
     idx = np.zeros((0, 1), dtype=np.int64)
@@ -568,11 +566,15 @@ def _sweep(vals, gvals, alpha, beta_, k):
         pts = vals[(ar % bsz)[:, None], idx]  # (R, J+1, 3)
         p0 = p0 + pts[:, 0, :].reshape(kr, bsz, 3).sum(1)  # (K, 3)
         if jn:
-            s_flat = np.stack(s_seq, 1).reshape(kr, bsz * jn)  # event (b, j) of ray r at column b*jn + j
+            # event (b, j) of ray r at column b*jn + j. The running max keeps a state's own events in order
+            # through the stable sort below: where several lines cross at one point (equal advantages) the
+            # computed crossings can decrease by a rounding error, and a reordered event would make the path
+            # disagree with the lambda that _rebuild reconstructs (it counts each state's events in order)
+            s_flat = np.maximum.accumulate(np.stack(s_seq, 1), axis=1).reshape(kr, bsz * jn)
             delta = (pts[:, 1:, :] - pts[:, :-1, :]).reshape(kr, bsz * jn, 3)
     # generator events (switch-offs) after the envelope events: columns bsz*jn + g
     s_flat = np.concatenate([s_flat, sg], 1)
-    delta = np.concatenate([delta, np.broadcast_to(-gvals * on[:, None], (kr,) + gvals.shape)], 1)
+    delta = np.concatenate([delta, np.broadcast_to(-gvals, (kr,) + gvals.shape)], 1)
     if s_flat.shape[1] == 0:
         return p0[:, 0] - k * p0[:, 1] * p0[:, 2], idx, None, 0, np.zeros(kr, dtype=np.int64), np.zeros(kr)
     order = np.argsort(s_flat, axis=1, kind="stable")  # stable: a state's own events stay in order
@@ -592,13 +594,13 @@ def _sweep(vals, gvals, alpha, beta_, k):
     return fall[np.arange(kr), best_e], idx, order, jn, best_e, sig_best
 
 
-def _rebuild(cand, gvec, on, idx, order, jn, r, e, sig):
+def _rebuild(cand, n_gen, idx, order, jn, r, e, sig):
     """lambda of ray r after the first e events of its sorted path, plus a fraction sig of event e.
-    cand: (B, M, |A|) candidates of the non-parallelepiped states, gvec: (G, |A|) generators; returns
-    their lambdas (B, |A|) and the generator weights t (G,)."""
+    cand: (B, M, |A|) candidates of the non-parallelepiped states; returns their lambdas (B, |A|) and the
+    weights t (n_gen,) of the generators passed to _sweep."""
     bsz = cand.shape[0]
     rows = r * bsz + np.arange(bsz)
-    t = on.astype(np.float64)
+    t = np.ones(n_gen)
     lam = cand[np.arange(bsz), idx[rows, 0]] if bsz else cand[:, 0]
     if order is None:
         return lam, t
@@ -623,13 +625,20 @@ def _prune(cand, vals):
     candidate of the same state; duplicates keep their first copy). Safe: replacing a dominated vertex by
     its dominator in ANY combination raises C and lowers U, V >= 0, hence f. Leaves ~2-8 per state, which
     is what makes the sweep cheap."""
+    # candidates with (c, u, v) = 0 (among them enumerate_vertices' zeroed invalid patterns) duplicate
+    # lambda = 0 in column 0 and would be dropped below: dropping them first makes the O(M^2) test smaller
+    cand, vals = _keep_columns(cand, vals, (vals != 0).any(-1) | (np.arange(vals.shape[1]) == 0))
     c, u, v = vals[..., 0], vals[..., 1], vals[..., 2]
     m = c.shape[1]
     ge = (c[:, None, :] >= c[:, :, None]) & (u[:, None, :] <= u[:, :, None]) & (v[:, None, :] <= v[:, :, None])
     strict = (c[:, None, :] > c[:, :, None]) | (u[:, None, :] < u[:, :, None]) | (v[:, None, :] < v[:, :, None])
     earlier = np.tri(m, m, -1, dtype=bool)[None]  # [i, j]: j < i
     dominated = (ge & (strict | earlier)).any(-1)  # [b, i]: some j dominates i
-    keep = ~dominated
+    return _keep_columns(cand, vals, ~dominated)
+
+
+def _keep_columns(cand, vals, keep):
+    """The candidates where keep (B, M) is True, in their order, as (B, M', .) arrays."""
     mk = int(keep.sum(1).max())
     order = np.argsort(~keep, axis=1, kind="stable")[:, :mk]
     # pad short rows with their first kept candidate (a duplicate: never a new vertex)
@@ -646,27 +655,29 @@ def _solve_generators(cs, us, vs, k, wbar, n_rays, refine_rays, best_f, t_best):
     numpy calls instead of the general sweep). Returns (best_f, t_best), t_best unchanged (the same object)
     if no point of the paths beats best_f."""
     g = cs.shape[0]
-    pos = cs > 0  # a generator with c_g <= 0 is dominated by t_g = 0
-    cuv = np.stack([cs, us, vs]) * pos  # (3, G)
+    # a generator with c_g <= 0 is dominated by t_g = 0: only the others take part (smaller arrays; the same
+    # paths, as they would all come last)
+    pos = np.flatnonzero(cs > 0)
+    cuv = np.stack([cs[pos], us[pos], vs[pos]])  # (3, P)
     thetas = np.linspace(0.0, 0.5 * np.pi, n_rays)
     for it in range(2):
-        wgt = np.cos(thetas)[:, None] * us + (np.sin(thetas) / wbar)[:, None] * vs  # (K, G)
-        with np.errstate(divide="ignore", invalid="ignore"):  # wgt > 0 wherever c_g > 0 (c_g > 0 needs u, v > 0)
-            key = np.where(pos, -cs / wgt, np.inf)
-        order = np.argsort(key, axis=1, kind="stable")
-        dc, du, dv = delta = cuv[:, order]  # (3, K, G): the e-th generator added along each ray's path
+        if pos.size == 0:
+            break
+        wgt = np.cos(thetas)[:, None] * cuv[1] + (np.sin(thetas) / wbar)[:, None] * cuv[2]  # (K, P)
+        with np.errstate(divide="ignore"):  # wgt > 0 up to underflow: c_g > 0 needs u_g, v_g > 0
+            order = np.argsort(-cuv[0] / wgt, axis=1, kind="stable")
+        dc, du, dv = delta = cuv[:, order]  # (3, K, P): the e-th generator added along each ray's path
         c0, u0, v0 = np.cumsum(delta, 2) - delta  # path vertex before adding it
         q = -k * du * dv
         lin = dc - k * (u0 * dv + v0 * du)
         neg = q < 0
         sig = np.where(neg, np.clip(lin / np.where(neg, -2.0 * q, 1.0), 0.0, 1.0), 1.0)
         fseg = c0 - k * u0 * v0 + lin * sig + q * sig * sig  # best point of edge e (sigma = 1: next vertex)
-        r, e = divmod(int(fseg.argmax()), g)
+        r, e = divmod(int(fseg.argmax()), pos.size)
         if fseg[r, e] > best_f:
             t = np.zeros(g)
-            t[order[r, :e]] = 1.0
-            t[order[r, e]] = sig[r, e]
-            t = np.where(pos, t, 0.0)
+            t[pos[order[r, :e]]] = 1.0
+            t[pos[order[r, e]]] = sig[r, e]
             f = float((t * cs).sum() - k * (t * us).sum() * (t * vs).sum())
             if f > best_f:
                 best_f, t_best = f, t
@@ -714,16 +725,19 @@ def solve_confidence(d, w, k, n_rays=4, refine_rays=(0.0, -0.03, 0.03, -0.1, 0.1
         return best_lam if t is t0 else np.clip((t.reshape(bsz, n - 1, 1) * gvec).sum(1), 0.0, 1.0)
     gvec, cuv_g = gvec[lonely].reshape(-1, n), cuv[lonely]
     gvals = (gvec.reshape(-1, n - 1, n) @ cuv_g).reshape(-1, 3)  # (G, 3)
+    gpos = np.flatnonzero(gvals[:, 0] > 0)  # the others stay at t_g = 0
     hard = ~lonely  # states whose P_s is not a parallelepiped: vertex enumeration and envelope sweep
     cand = enumerate_vertices(d[hard])
     cand, vals = _prune(cand, cand @ cuv[hard])
     thetas = np.linspace(0.0, 0.5 * np.pi, n_rays)
     for it in range(2):
         alpha, beta_ = np.cos(thetas), np.sin(thetas) / wbar
-        f, idx, order, jn, e, sig = _sweep(vals, gvals, alpha, beta_, k)
+        f, idx, order, jn, e, sig = _sweep(vals, gvals[gpos], alpha, beta_, k)
         r = int(f.argmax())
         if f[r] > best_f:
-            lam_hard, t = _rebuild(cand, gvec, gvals[:, 0] > 0, idx, order, jn, r, int(e[r]), float(sig[r]))
+            lam_hard, t_pos = _rebuild(cand, gpos.size, idx, order, jn, r, int(e[r]), float(sig[r]))
+            t = np.zeros(gvals.shape[0])
+            t[gpos] = t_pos
             lam = np.empty_like(d)
             lam[hard] = lam_hard
             lam[lonely] = np.clip((t.reshape(-1, n - 1, 1) * gvec.reshape(-1, n - 1, n)).sum(1), 0.0, 1.0)
