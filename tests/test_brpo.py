@@ -118,6 +118,19 @@ def test_vertex_enumeration(brpo):
                 assert all(abs(np.dot(d[i], r)) <= 1e-9 and min(r) >= 0 and max(r) <= 1 for r in cand[i])
 
 
+@pytest.mark.parametrize("script", ["brpo.py", "brpo_c.py"])
+def test_row_sum_and_max_bit_identical(script):
+    module = load_script(script)
+    rng = np.random.default_rng(3)
+    for n_actions in (1, 2, 3, 4, 6):
+        x = rng.normal(size=(64, n_actions)) * 10.0 ** rng.integers(-8, 8, size=(64, n_actions))
+        x[0, 0] = -np.inf  # log 0 in a softmax
+        assert np.array_equal(module.row_sum(x), x.sum(-1))
+        assert np.array_equal(module.row_max(x), x.max(-1))
+        y = rng.normal(size=(5, 7, n_actions))
+        assert np.array_equal(module.row_sum(y), y.sum(-1))
+
+
 def test_lonely_generators(brpo):
     """Where one coordinate's sign is opposite to all others, P_s is the parallelepiped of the generators:
     its corners (0/1 combinations of the generators) are exactly the reference vertices."""
