@@ -254,6 +254,24 @@ UNIT_MIN = 1e-8  # floor of the advantage unit: a constant critic (all gaps 0) m
 D_ZERO = 1e-12  # |rho - beta| below this is float noise of two distributions that agree (sum to 1 in float64)
 
 
+def row_sum(x: np.ndarray) -> np.ndarray:
+    """x.sum(-1) for a short last axis (|A| actions), as explicit adds in the same left-to-right order, so
+    bit-identical: numpy's reduction does the same few adds but its per-call setup costs several times more
+    at these sizes, and these sums run every update."""
+    s = x[..., 0]
+    for i in range(1, x.shape[-1]):
+        s = s + x[..., i]
+    return s
+
+
+def row_max(x: np.ndarray) -> np.ndarray:
+    """x.max(-1) for a short last axis (see row_sum)."""
+    s = x[..., 0]
+    for i in range(1, x.shape[-1]):
+        s = np.maximum(s, x[..., i])
+    return s
+
+
 def log_probs(p: np.ndarray) -> np.ndarray:
     """log p with log 0 = -inf and no warning: actions outside beta's support drop out of every
     expectation and every softmax below."""
@@ -297,8 +315,8 @@ def candidate_policy(beta, lam, w, tau, log_beta=None):
     coordinate ascent holds rho fixed while lambda is fitted)."""
     w = np.clip(w, -W_CLAMP, W_CLAMP)
     logits = (log_probs(beta) if log_beta is None else log_beta) + lam * w / tau[:, None]
-    e = np.exp(logits - logits.max(-1, keepdims=True))
-    return e / e.sum(-1, keepdims=True)
+    e = np.exp(logits - row_max(logits)[:, None])
+    return e / row_sum(e)[:, None]
 
 
 def residual_policy(beta, rho, lam):
@@ -334,7 +352,7 @@ def projection_root(lt: np.ndarray, d: np.ndarray) -> np.ndarray:
     # breakpoints of g; coordinates with d_j = 0 add a spurious breakpoint at 0, harmless: g is evaluated
     # there exactly and stays piecewise linear between any superset of its breakpoints
     bp = np.sort(np.concatenate([np.where(nz, lt / safe_d, 0.0), np.where(nz, (lt - 1.0) / safe_d, 0.0)], -1), -1)
-    g = (np.clip(lt[:, None, :] - bp[:, :, None] * d[:, None, :], 0.0, 1.0) * d[:, None, :]).sum(-1)  # non-increasing
+    g = row_sum(np.clip(lt[:, None, :] - bp[:, :, None] * d[:, None, :], 0.0, 1.0) * d[:, None, :])  # non-increasing
     nb = bp.shape[-1]
     k = np.clip((g > 0).sum(-1) - 1, 0, nb - 2)
     rows = np.arange(bp.shape[0])
@@ -401,12 +419,13 @@ def confidence_fit(lam_tilde: np.ndarray, d: np.ndarray, beta: np.ndarray, rho: 
     lp = np.log(np.maximum(pi, LOG_CLAMP))
     lq = np.log(np.maximum(target, LOG_CLAMP))
     n = pi.shape[0]
-    loss = float((pi * (lp - lq)).sum() / n)
-    g_lam = (lp - lq + (pi > LOG_CLAMP)) * d / n
+    lr = lp - lq
+    loss = float((pi * lr).sum() / n)
+    g_lam = (lr + (pi > LOG_CLAMP)) * d / n
     free = (lam > 0.0) & (lam < 1.0)
     d_free = d * free
-    n_free = np.square(d_free).sum(1, keepdims=True)
-    proj = (d_free * g_lam).sum(1, keepdims=True) / np.where(n_free > 0, n_free, 1.0)
+    n_free = row_sum(np.square(d_free))[:, None]
+    proj = row_sum(d_free * g_lam)[:, None] / np.where(n_free > 0, n_free, 1.0)
     return loss, np.where(free, g_lam - d_free * proj, 0.0)
 
 
@@ -434,8 +453,15 @@ def penalty_weight(batch_size, gamma, mu, scale_penalty_by_mu=True):
 # (2) Vertices of P_s = [0,1]^|A| ∩ {d.lambda = 0} have at most one fractional coordinate: enumerate the
 #     |A| 2^(|A|-1) points "coordinate j free, the others in {0,1}, lambda_j = -d_{-j}.x / d_j" (invalid
 #     ones replaced by the vertex 0). One (B, M, |A|) tensor, built once per call; weakly Pareto-dominated
-#     candidates (smaller c, larger u and v) are dropped (_prune). |A| = 2 needs none of this: P_s is the
-#     segment t (1, 1), t in [0, 1] (_solve_two_actions).
+#     candidates (smaller c, larger u and v) are dropped (_prune).
+#     Shortcut for most states: if one coordinate j of d_s has the opposite sign of all the others (always
+#     for |A| <= 3; for |A| = 4 unless d_s has two positive and two negative entries), the constraint reads
+#     lambda_j = sum_{i != j} (|d_i| / |d_j|) lambda_i with sum_{i != j} |d_i| / |d_j| = 1, so the other
+#     lambda_i are free in [0, 1] and P_s is the parallelepiped sum_i [0, g_i], g_i = e_i + (|d_i|/|d_j|) e_j
+#     (lonely_generators). Z_s is then a sum of |A| - 1 segments, and along a ray each segment simply
+#     switches off at s = c_g / w_g: no vertex enumeration, no envelope sweep. |A| = 2 is the case of one
+#     generator (1, 1) per state; the paths are the same as the envelope sweep's (the envelope of a
+#     parallelepiped's vertices switches its generators off one by one).
 # (3) First-order optimality (lead's hint (ii), verified): grad f = c - kV u - kU v, so an optimum
 #     maximises the LINEAR function (c - a u - b v).lambda with (a, b) = (kV*, kU*) >= 0. For a ray
 #     (a, b) = s (alpha, beta_), s in [0, inf), the per-state LP maximiser is piecewise constant in s and
@@ -457,7 +483,11 @@ def penalty_weight(batch_size, gamma, mu, scale_penalty_by_mu=True):
 # (4) The result is compared with lambda = 0 and the best constant lambda (both always feasible because
 #     sum_a d_a = 0) and the best of all is returned, so the solver is never worse than either.
 # Cost: two vectorised passes of O(K |B| M J) numpy float64 work (K rays, M candidates after pruning, J
-# envelope pieces): ~0.1-0.2 ms for |B| = 64, |A| = 2; ~0.5-1 ms for |A| = 3-4 (no per-state Python loop).
+# envelope pieces), where only the states that are not parallelepipeds go through the envelope sweep (the
+# Python loop over J is per-call numpy overhead, so it pays to keep it to those few states). Measured per
+# call on minibatches captured from training (|B| = 64, one thread, best of 9): ~0.11 ms for |A| = 2
+# (CartPole), ~0.18 ms for |A| = 3 (Acrobot), ~0.9 ms for |A| = 4 (LunarLander, where ~1/6 .. 1/2 of the
+# states have two coordinates of each sign); inside the training loop, with cold caches, ~1.5x that.
 _PATTERN_CACHE: dict = {}
 
 
@@ -496,46 +526,92 @@ def enumerate_vertices(d):
     return np.concatenate([ends, cand * ok[:, :, None]], 1)
 
 
-def _sweep(vals, alpha, beta_, k):
+def lonely_generators(d):
+    """Parallelepiped form of P_s (see the solver comment, (2)). Returns lonely (B,), True where one
+    coordinate j = argmax |d_s| has the opposite sign of every other nonzero d_i, and g (B, |A|-1, |A|):
+    g[s, i] = e_i + (|d_i| / |d_j|) e_j for the other coordinates i (in the order j+1, j+2, ... mod |A|).
+    At lonely states P_s = {sum_i t_i g[s, i] : t in [0, 1]^(|A|-1)}. Ratios within 1e-9 of 0 or 1 are
+    snapped like enumerate_vertices does (|A| = 2: g = (1, 1) exactly)."""
+    bsz, n = d.shape
+    rows = np.arange(bsz)[:, None]
+    j = np.abs(d).argmax(1)
+    others = (j[:, None] + np.arange(1, n)) % n  # (B, n-1)
+    dj = d[rows[:, 0], j]
+    do = d[rows, others]
+    lonely = ~(do * dj[:, None] > 0).any(1)
+    adj = np.abs(dj)[:, None]
+    ratio = np.clip(np.abs(do) / np.where(adj > 0, adj, 1.0), 0.0, 1.0)
+    ratio = np.where(ratio < 1e-9, 0.0, np.where(ratio > 1.0 - 1e-9, 1.0, ratio))
+    g = np.zeros((bsz, n - 1, n))
+    gi = np.arange(n - 1)[None, :]
+    g[rows, gi, others] = 1.0
+    g[rows, gi, j[:, None]] = ratio
+    return lonely, g
+
+
+def _generator_path(gvals, alpha, beta_):
+    """Along the ray (a, b) = s (alpha, beta_) a generator with c_g > 0 (the only ones passed: c_g <= 0 keeps
+    t_g = 0 all along) is on (t_g = 1) until s = c_g / w_g, w_g = alpha u_g + beta_ v_g (> 0 up to underflow:
+    c_g > 0 needs u_g, v_g > 0). Returns the switch-off points s (K, G) and the path start (3,)."""
+    wg = alpha[:, None] * gvals[None, :, 1] + beta_[:, None] * gvals[None, :, 2]
+    with np.errstate(divide="ignore"):
+        return gvals[:, 0] / wg, gvals.sum(0)
+
+
+def _sweep(vals, gvals, alpha, beta_, k):
     """Exact search along rays (a, b) = s (alpha_r, beta_r), s in [0, inf), one ray per entry of alpha.
 
-    vals: (B, M, 3) = (c, u, v) . candidate for each state and candidate vertex. Rows r*B + b of the
-    flattened (K*B, M) arrays are (ray r, state b). Returns per ray the best f on its path of vertices and
-    edges of Z, and what _rebuild needs to turn that point back into lambda."""
+    vals: (B, M, 3) = (c, u, v) . candidate for each non-parallelepiped state and candidate vertex (B may be
+    0); gvals: (G, 3) = (c, u, v) . generator of the parallelepiped states, those with c_g > 0. Rows r*B + b of
+    the flattened (K*B, M) arrays are (ray r, state b). Returns per ray the best f on its path of vertices
+    and edges of Z, and what _rebuild needs to turn that point back into lambda."""
     bsz, m, _ = vals.shape
     kr = alpha.shape[0]
     nr = kr * bsz
     ar = np.arange(nr)
-    c = np.tile(vals[:, :, 0], (kr, 1))  # (R, M)
-    w = (alpha[:, None, None] * vals[None, :, :, 1] + beta_[:, None, None] * vals[None, :, :, 2]).reshape(nr, m)
-    # s = 0: LP maximiser of c; ties -> smallest w (the one that survives for s > 0)
-    cmax = c.max(1, keepdims=True)
-    cur = np.where(c >= cmax - 1e-12 * np.abs(cmax), w, np.inf).argmin(1)
-    idx_seq, s_seq = [cur], []
-    c_cur, w_cur = c[ar, cur], w[ar, cur]
-    tol_w = (1e-12 * w.max(1))[:, None]
-    for _ in range(m - 1):  # kinetic sweep of each state's upper envelope of the lines c_m - s w_m
-        dw = w_cur[:, None] - w
-        valid = dw > tol_w
-        if not valid.any():
-            break
-        s = np.where(valid, (c_cur[:, None] - c) / np.where(valid, dw, 1.0), np.inf)
-        smin = s.min(1)
-        # among lines tied at the crossing take the largest w: walks a degenerate face vertex by vertex
-        nxt = np.where(s <= smin[:, None] * (1 + 1e-10), w, -np.inf).argmax(1)
-        done = np.isinf(smin)
-        cur = np.where(done, cur, nxt)
-        s_seq.append(smin)
-        idx_seq.append(cur)
+    sg, p0 = _generator_path(gvals, alpha, beta_)
+    p0 = np.broadcast_to(p0, (kr, 3))
+    jn, s_flat, delta = 0, np.zeros((kr, 0)), np.zeros((kr, 0, 3))
+    idx = np.zeros((0, 1), dtype=np.int64)
+    if bsz:
+        c = np.tile(vals[:, :, 0], (kr, 1))  # (R, M)
+        w = (alpha[:, None, None] * vals[None, :, :, 1] + beta_[:, None, None] * vals[None, :, :, 2]).reshape(nr, m)
+        # s = 0: LP maximiser of c; ties -> smallest w (the one that survives for s > 0)
+        cmax = c.max(1, keepdims=True)
+        cur = np.where(c >= cmax - 1e-12 * np.abs(cmax), w, np.inf).argmin(1)
+        idx_seq, s_seq = [cur], []
         c_cur, w_cur = c[ar, cur], w[ar, cur]
-    idx = np.stack(idx_seq, 1)  # (R, J+1)
-    jn = idx.shape[1] - 1
-    pts = vals[(ar % bsz)[:, None], idx]  # (R, J+1, 3)
-    p0 = pts[:, 0, :].reshape(kr, bsz, 3).sum(1)  # (K, 3)
-    if jn == 0:
+        tol_w = (1e-12 * w.max(1))[:, None]
+        for _ in range(m - 1):  # kinetic sweep of each state's upper envelope of the lines c_m - s w_m
+            dw = w_cur[:, None] - w
+            valid = dw > tol_w
+            if not valid.any():
+                break
+            s = np.where(valid, (c_cur[:, None] - c) / np.where(valid, dw, 1.0), np.inf)
+            smin = s.min(1)
+            # among lines tied at the crossing take the largest w: walks a degenerate face vertex by vertex
+            nxt = np.where(s <= smin[:, None] * (1 + 1e-10), w, -np.inf).argmax(1)
+            done = np.isinf(smin)
+            cur = np.where(done, cur, nxt)
+            s_seq.append(smin)
+            idx_seq.append(cur)
+            c_cur, w_cur = c[ar, cur], w[ar, cur]
+        idx = np.stack(idx_seq, 1)  # (R, J+1)
+        jn = idx.shape[1] - 1
+        pts = vals[(ar % bsz)[:, None], idx]  # (R, J+1, 3)
+        p0 = p0 + pts[:, 0, :].reshape(kr, bsz, 3).sum(1)  # (K, 3)
+        if jn:
+            # event (b, j) of ray r at column b*jn + j. The running max keeps a state's own events in order
+            # through the stable sort below: where several lines cross at one point (equal advantages) the
+            # computed crossings can decrease by a rounding error, and a reordered event would make the path
+            # disagree with the lambda that _rebuild reconstructs (it counts each state's events in order)
+            s_flat = np.maximum.accumulate(np.stack(s_seq, 1), axis=1).reshape(kr, bsz * jn)
+            delta = (pts[:, 1:, :] - pts[:, :-1, :]).reshape(kr, bsz * jn, 3)
+    # generator events (switch-offs) after the envelope events: columns bsz*jn + g
+    s_flat = np.concatenate([s_flat, sg], 1)
+    delta = np.concatenate([delta, np.broadcast_to(-gvals, (kr,) + gvals.shape)], 1)
+    if s_flat.shape[1] == 0:
         return p0[:, 0] - k * p0[:, 1] * p0[:, 2], idx, None, 0, np.zeros(kr, dtype=np.int64), np.zeros(kr)
-    s_flat = np.stack(s_seq, 1).reshape(kr, bsz * jn)  # event (b, j) of ray r at column b*jn + j
-    delta = (pts[:, 1:, :] - pts[:, :-1, :]).reshape(kr, bsz * jn, 3)
     order = np.argsort(s_flat, axis=1, kind="stable")  # stable: a state's own events stay in order
     d_flat = delta[np.arange(kr)[:, None], order]  # (K, E, 3)
     path = np.cumsum(d_flat, 1) + p0[:, None, :]
@@ -553,20 +629,30 @@ def _sweep(vals, alpha, beta_, k):
     return fall[np.arange(kr), best_e], idx, order, jn, best_e, sig_best
 
 
-def _rebuild(cand, idx, order, jn, r, e, sig):
-    """lambda of ray r after the first e events of its sorted path, plus a fraction sig of event e."""
+def _rebuild(cand, n_gen, idx, order, jn, r, e, sig):
+    """lambda of ray r after the first e events of its sorted path, plus a fraction sig of event e.
+    cand: (B, M, |A|) candidates of the non-parallelepiped states; returns their lambdas (B, |A|) and the
+    weights t (n_gen,) of the generators passed to _sweep."""
     bsz = cand.shape[0]
     rows = r * bsz + np.arange(bsz)
+    t = np.ones(n_gen)
+    lam = cand[np.arange(bsz), idx[rows, 0]] if bsz else cand[:, 0]
     if order is None:
-        return cand[np.arange(bsz), idx[rows, 0]]
+        return lam, t
     ev = order[r]
-    n_app = np.bincount(ev[:e] // jn, minlength=bsz)  # events applied per state (in that state's order)
-    lam = cand[np.arange(bsz), idx[rows, n_app]]
+    n_poly = bsz * jn
+    if bsz:
+        n_app = np.bincount(ev[:e][ev[:e] < n_poly] // jn, minlength=bsz) if jn else np.zeros(bsz, dtype=np.int64)
+        lam = cand[np.arange(bsz), idx[rows, n_app]]
+    t[ev[:e][ev[:e] >= n_poly] - n_poly] = 0.0
     if sig > 0 and e < ev.shape[0]:
-        b = ev[e] // jn
-        nxt = cand[b, idx[rows[b], min(n_app[b] + 1, jn)]]
-        lam[b] = (1.0 - sig) * lam[b] + sig * nxt
-    return lam
+        if ev[e] >= n_poly:  # generator ev[e] - n_poly is on its way off
+            t[ev[e] - n_poly] = 1.0 - sig
+        else:
+            b = ev[e] // jn
+            nxt = cand[b, idx[rows[b], min(n_app[b] + 1, jn)]]
+            lam[b] = (1.0 - sig) * lam[b] + sig * nxt
+    return lam, t
 
 
 def _prune(cand, vals):
@@ -574,13 +660,20 @@ def _prune(cand, vals):
     candidate of the same state; duplicates keep their first copy). Safe: replacing a dominated vertex by
     its dominator in ANY combination raises C and lowers U, V >= 0, hence f. Leaves ~2-8 per state, which
     is what makes the sweep cheap."""
+    # candidates with (c, u, v) = 0 (among them enumerate_vertices' zeroed invalid patterns) duplicate
+    # lambda = 0 in column 0 and would be dropped below: dropping them first makes the O(M^2) test smaller
+    cand, vals = _keep_columns(cand, vals, (vals != 0).any(-1) | (np.arange(vals.shape[1]) == 0))
     c, u, v = vals[..., 0], vals[..., 1], vals[..., 2]
     m = c.shape[1]
     ge = (c[:, None, :] >= c[:, :, None]) & (u[:, None, :] <= u[:, :, None]) & (v[:, None, :] <= v[:, :, None])
     strict = (c[:, None, :] > c[:, :, None]) | (u[:, None, :] < u[:, :, None]) | (v[:, None, :] < v[:, :, None])
     earlier = np.tri(m, m, -1, dtype=bool)[None]  # [i, j]: j < i
     dominated = (ge & (strict | earlier)).any(-1)  # [b, i]: some j dominates i
-    keep = ~dominated
+    return _keep_columns(cand, vals, ~dominated)
+
+
+def _keep_columns(cand, vals, keep):
+    """The candidates where keep (B, M) is True, in their order, as (B, M', .) arrays."""
     mk = int(keep.sum(1).max())
     order = np.argsort(~keep, axis=1, kind="stable")[:, :mk]
     # pad short rows with their first kept candidate (a duplicate: never a new vertex)
@@ -589,41 +682,45 @@ def _prune(cand, vals):
     return cand[b, order], vals[b, order]
 
 
-def _solve_two_actions(cs, us, vs, k, wbar, n_rays, refine_rays, best_f, best_lam):
-    """|A| = 2 (CartPole): d_s = (delta, -delta), so P_s = {t (1, 1): t in [0, 1]} with vertices 0 and 1 and
-    f = sum t_s c_s - k (sum t_s u_s)(sum t_s v_s). Same ray method as _sweep, specialised: along a ray
-    (a, b) = s (alpha, beta_) state s switches from 1 to 0 at s = c_s / (alpha u_s + beta_ v_s), so the path
-    adds states in decreasing order of that ratio (a few numpy calls instead of the general sweep)."""
-    bsz = cs.shape[0]
-    pos = cs > 0  # a state with c_s <= 0 is dominated by t_s = 0
-    cuv = np.stack([cs, us, vs]) * pos  # (3, B)
+def _solve_generators(cs, us, vs, k, wbar, n_rays, refine_rays, best_f, t_best):
+    """All states are parallelepipeds (always for |A| <= 3): Z is the sum of the generators' segments
+    [0, (c_g, u_g, v_g)] and f = sum t_g c_g - k (sum t_g u_g)(sum t_g v_g), t in [0, 1]^G. Same ray method as
+    _sweep, specialised: along a ray (a, b) = s (alpha, beta_) generator g switches from 1 to 0 at
+    s = c_g / (alpha u_g + beta_ v_g), so the path adds generators in decreasing order of that ratio (a few
+    numpy calls instead of the general sweep). Returns (best_f, t_best), t_best unchanged (the same object)
+    if no point of the paths beats best_f."""
+    g = cs.shape[0]
+    # a generator with c_g <= 0 is dominated by t_g = 0: only the others take part (smaller arrays; the same
+    # paths, as they would all come last)
+    pos = np.flatnonzero(cs > 0)
+    cuv = np.stack([cs[pos], us[pos], vs[pos]])  # (3, P)
     thetas = np.linspace(0.0, 0.5 * np.pi, n_rays)
     for it in range(2):
-        wgt = np.cos(thetas)[:, None] * us + (np.sin(thetas) / wbar)[:, None] * vs  # (K, B)
-        with np.errstate(divide="ignore", invalid="ignore"):  # wgt > 0 wherever c_s > 0 (c_s > 0 needs u, v > 0)
-            key = np.where(pos, -cs / wgt, np.inf)
-        order = np.argsort(key, axis=1, kind="stable")
-        dc, du, dv = delta = cuv[:, order]  # (3, K, B): the e-th state added along each ray's path
+        if pos.size == 0:
+            break
+        wgt = np.cos(thetas)[:, None] * cuv[1] + (np.sin(thetas) / wbar)[:, None] * cuv[2]  # (K, P)
+        with np.errstate(divide="ignore"):  # wgt > 0 up to underflow: c_g > 0 needs u_g, v_g > 0
+            order = np.argsort(-cuv[0] / wgt, axis=1, kind="stable")
+        dc, du, dv = delta = cuv[:, order]  # (3, K, P): the e-th generator added along each ray's path
         c0, u0, v0 = np.cumsum(delta, 2) - delta  # path vertex before adding it
         q = -k * du * dv
         lin = dc - k * (u0 * dv + v0 * du)
         neg = q < 0
         sig = np.where(neg, np.clip(lin / np.where(neg, -2.0 * q, 1.0), 0.0, 1.0), 1.0)
         fseg = c0 - k * u0 * v0 + lin * sig + q * sig * sig  # best point of edge e (sigma = 1: next vertex)
-        r, e = divmod(int(fseg.argmax()), bsz)
+        r, e = divmod(int(fseg.argmax()), pos.size)
         if fseg[r, e] > best_f:
-            t = np.zeros(bsz)
-            t[order[r, :e]] = 1.0
-            t[order[r, e]] = sig[r, e]
-            t = np.where(pos, t, 0.0)
+            t = np.zeros(g)
+            t[pos[order[r, :e]]] = 1.0
+            t[pos[order[r, e]]] = sig[r, e]
             f = float((t * cs).sum() - k * (t * us).sum() * (t * vs).sum())
             if f > best_f:
-                best_f, best_lam = f, np.repeat(t[:, None], 2, 1)
-        uu, vv = (best_lam[:, 0] * us).sum(), (best_lam[:, 0] * vs).sum()
+                best_f, t_best = f, t
+        uu, vv = (t_best * us).sum(), (t_best * vs).sum()
         if it == 1 or (uu <= 0 and vv <= 0) or len(refine_rays) == 0:
             break
         thetas = np.clip(math.atan2(uu * wbar, vv) + np.asarray(refine_rays), 0.0, 0.5 * np.pi)
-    return best_lam
+    return best_f, t_best
 
 
 def solve_confidence(d, w, k, n_rays=4, refine_rays=(0.0, -0.03, 0.03, -0.1, 0.1)):
@@ -649,17 +746,36 @@ def solve_confidence(d, w, k, n_rays=4, refine_rays=(0.0, -0.03, 0.03, -0.1, 0.1
     best_f = t_const * sc - k * t_const * t_const * su * sv
     best_lam = np.full_like(d, t_const)
     wbar = sv / su if sv > 0 else 1.0
-    if d.shape[1] == 2:
-        return _solve_two_actions(c.sum(1), u.sum(1), v.sum(1), k, wbar, n_rays, refine_rays, best_f, best_lam)
-    cand = enumerate_vertices(d)
-    cand, vals = _prune(cand, cand @ np.stack([c, u, v], -1))
+    bsz, n = d.shape
+    if n == 2:  # lonely_generators' answer without its cost: one generator (1, 1) per state
+        lonely, gvec = np.ones(bsz, dtype=bool), np.ones((bsz, 1, 2))
+    else:
+        lonely, gvec = lonely_generators(d)
+    cuv = np.stack([c, u, v], -1)  # (B, |A|, 3)
+    if lonely.all():
+        gvals = (gvec @ cuv).reshape(-1, 3)  # (B (|A|-1), 3): (c, u, v) of every generator
+        t0 = np.full(gvals.shape[0], t_const)
+        best_f, t = _solve_generators(gvals[:, 0], gvals[:, 1], gvals[:, 2], k, wbar, n_rays, refine_rays, best_f, t0)
+        # the clip only removes rounding: sum_i |d_i| / |d_j| is 1 up to ~1e-15, and so is lambda_j at t = 1
+        return best_lam if t is t0 else np.clip((t.reshape(bsz, n - 1, 1) * gvec).sum(1), 0.0, 1.0)
+    gvec, cuv_g = gvec[lonely].reshape(-1, n), cuv[lonely]
+    gvals = (gvec.reshape(-1, n - 1, n) @ cuv_g).reshape(-1, 3)  # (G, 3)
+    gpos = np.flatnonzero(gvals[:, 0] > 0)  # the others stay at t_g = 0
+    hard = ~lonely  # states whose P_s is not a parallelepiped: vertex enumeration and envelope sweep
+    cand = enumerate_vertices(d[hard])
+    cand, vals = _prune(cand, cand @ cuv[hard])
     thetas = np.linspace(0.0, 0.5 * np.pi, n_rays)
     for it in range(2):
         alpha, beta_ = np.cos(thetas), np.sin(thetas) / wbar
-        f, idx, order, jn, e, sig = _sweep(vals, alpha, beta_, k)
+        f, idx, order, jn, e, sig = _sweep(vals, gvals[gpos], alpha, beta_, k)
         r = int(f.argmax())
         if f[r] > best_f:
-            lam = _rebuild(cand, idx, order, jn, r, int(e[r]), float(sig[r]))
+            lam_hard, t_pos = _rebuild(cand, gpos.size, idx, order, jn, r, int(e[r]), float(sig[r]))
+            t = np.zeros(gvals.shape[0])
+            t[gpos] = t_pos
+            lam = np.empty_like(d)
+            lam[hard] = lam_hard
+            lam[lonely] = np.clip((t.reshape(-1, n - 1, 1) * gvec.reshape(-1, n - 1, n)).sum(1), 0.0, 1.0)
             fl = float((lam * c).sum() - k * (lam * u).sum() * (lam * v).sum())
             if fl > best_f:
                 best_f, best_lam = fl, lam
@@ -731,7 +847,10 @@ class ConfidenceNetwork(nn.Module):
         self.net = nn.Sequential(nn.Linear(obs_dim, 32), nn.ReLU(), nn.Linear(32, 16), nn.ReLU(), nn.Linear(16, n_actions))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.sigmoid(self.net(x)).double()
+        # float32 like the network: the numpy side converts to float64 (exactly), and the training loss
+        # (lambda~ . g) then backpropagates without a float64 copy in the graph (same gradient: g is rounded
+        # to float32 either way)
+        return torch.sigmoid(self.net(x))
 
 
 def mixed_value(q: torch.Tensor, beta: torch.Tensor, mu: float) -> torch.Tensor:
@@ -763,7 +882,7 @@ def policy_probs(obs, beta, q_network, confidence, args, n_updates, unit):
     with torch.no_grad():
         q = q_network(obs).double()
         w = q - mixed_value(q, beta, args.mu).unsqueeze(1)
-        lam_tilde = confidence(obs)
+        lam_tilde = confidence(obs).double()
         rho, _ = candidate(beta.numpy(), lam_tilde.numpy(), w.numpy(), args, n_updates, unit)
         lam = project_confidence(lam_tilde, rho - beta.numpy())
         rho = torch.from_numpy(rho)
@@ -867,9 +986,11 @@ def main(args: Args) -> None:
     target_network.load_state_dict(q_network.state_dict())
     # fused Adam: the same update in one kernel; at this size the per-parameter Python loop of the default
     # implementation is a visible share of an update
-    optimizer = torch.optim.Adam(q_network.parameters(), lr=args.learning_rate, fused=True)
     confidence = ConfidenceNetwork(obs_dim, n_actions)
-    confidence_optimizer = torch.optim.Adam(confidence.parameters(), lr=args.confidence_learning_rate, fused=True)
+    # one optimiser, one parameter group (own learning rate) per network: the same two Adam updates as two
+    # optimisers, with half the per-step Python overhead
+    optimizer = torch.optim.Adam([{"params": q_network.parameters(), "lr": args.learning_rate},
+                                  {"params": confidence.parameters(), "lr": args.confidence_learning_rate}], fused=True)
     # k of f = C - k U V (solver form of the SAA bound), fixed by |B|, gamma, mu
     k_penalty = penalty_weight(args.batch_size, args.gamma, args.mu, args.penalty_one_minus_mu) * args.penalty_scale
     eval_envs = [make_env(args.env_id) for _ in range(args.eval_episodes)]
@@ -887,16 +1008,18 @@ def main(args: Args) -> None:
         q_all = q_network(s)
         q = q_all.gather(1, actions[idx, None]).squeeze(1)
         loss = F.mse_loss(q, td_target)
-        # weighted advantage W = Q - V with the same mu (appendix), from the critic before its step
-        q_det = q_all.detach().double()
         # running advantage unit (see advantage_unit), from the critic before its step like W
+        q_det = q_all.detach().double()
         unit = advantage_unit(q_det) if step == 1 else (1.0 - UNIT_RATE) * unit + UNIT_RATE * advantage_unit(q_det)
-        w = q_det - mixed_value(q_det, beta, args.mu).unsqueeze(1)
+        # weighted advantage W = Q - V with the same mu (appendix), from the critic before its step: mixed_value
+        # in float64 numpy like the rest of the confidence step (row sums: the same numbers, fewer op calls)
+        beta_np, q_np = beta.numpy(), q_det.numpy()
+        w_np = q_np - ((1.0 - args.mu) * row_sum(beta_np * q_np) + args.mu * row_max(q_np))[:, None]
 
         # --- confidence (Algorithm 1, lines 3-5) ---
-        lam_tilde = confidence(s)
-        beta_np, w_np = beta.numpy(), w.numpy()
-        rho_np, tau = candidate(beta_np, lam_tilde.detach().numpy(), w_np, args, step - 1, unit,
+        lam_tilde = confidence(s)  # float32, in the graph
+        lam_np = lam_tilde.detach().numpy().astype(np.float64)
+        rho_np, tau = candidate(beta_np, lam_np, w_np, args, step - 1, unit,
                                 log_behavior_probs[idx.numpy()])  # eq. relative_soft
         d = rho_np - beta_np
         lam_star = solve_confidence(d, w_np, k_penalty)  # lambda-bar*
@@ -904,12 +1027,10 @@ def main(args: Args) -> None:
         # KL fit of pi_phi = beta + Phi(lambda~; rho - beta)(rho - beta) to the target (eq. optimize_lambda and
         # "Learning the Confidence"): value and d/d lambda~ in numpy (= autograd through project_confidence
         # and kl_fit_loss, tested); (lambda~ . g) then carries exactly that gradient into the network
-        confidence_loss, grad = confidence_fit(lam_tilde.detach().numpy(), d, beta_np, rho_np, target_pi)
+        confidence_loss, grad = confidence_fit(lam_np, d, beta_np, rho_np, target_pi)
 
         optimizer.zero_grad()
-        confidence_optimizer.zero_grad()
-        (loss + (lam_tilde * torch.from_numpy(grad)).sum()).backward()  # disjoint parameters: one backward
-        confidence_optimizer.step()
+        (loss + (lam_tilde * torch.from_numpy(grad).float()).sum()).backward()  # disjoint parameters: one backward
         optimizer.step()
 
         if step % args.target_update_frequency == 0:
@@ -924,8 +1045,8 @@ def main(args: Args) -> None:
             writer.add_scalar("losses/confidence_loss", confidence_loss, step)
             writer.add_scalar("confidence/mean_lambda_star", float(lam_star.mean()), step)
             writer.add_scalar("confidence/mean_tau", float(tau.mean()), step)
-            star = lower_bound_terms(beta, torch.from_numpy(rho_np), torch.from_numpy(lam_star), w, args.gamma, args.mu,
-                                     args.penalty_one_minus_mu)[0]
+            star = lower_bound_terms(beta, torch.from_numpy(rho_np), torch.from_numpy(lam_star), torch.from_numpy(w_np),
+                                     args.gamma, args.mu, args.penalty_one_minus_mu)[0]
             writer.add_scalar("losses/lower_bound_star", star, step)
             for key, value in policy_stats(s, beta, q_network, confidence, args, step, unit).items():
                 writer.add_scalar(f"confidence/{key}" if "lambda" in key else f"losses/{key}", value, step)

@@ -118,6 +118,43 @@ def test_vertex_enumeration(brpo):
                 assert all(abs(np.dot(d[i], r)) <= 1e-9 and min(r) >= 0 and max(r) <= 1 for r in cand[i])
 
 
+@pytest.mark.parametrize("script", ["brpo.py", "brpo_c.py"])
+def test_row_sum_and_max_bit_identical(script):
+    module = load_script(script)
+    rng = np.random.default_rng(3)
+    for n_actions in (1, 2, 3, 4, 6):
+        x = rng.normal(size=(64, n_actions)) * 10.0 ** rng.integers(-8, 8, size=(64, n_actions))
+        x[0, 0] = -np.inf  # log 0 in a softmax
+        assert np.array_equal(module.row_sum(x), x.sum(-1))
+        assert np.array_equal(module.row_max(x), x.max(-1))
+        y = rng.normal(size=(5, 7, n_actions))
+        assert np.array_equal(module.row_sum(y), y.sum(-1))
+
+
+def test_lonely_generators(brpo):
+    """Where one coordinate's sign is opposite to all others, P_s is the parallelepiped of the generators:
+    its corners (0/1 combinations of the generators) are exactly the reference vertices."""
+    rng = np.random.default_rng(10)
+    for n_actions in (2, 3, 4, 5):
+        for kind in KINDS:
+            d, _, _ = random_instance(rng, 10, n_actions, kind)
+            d = np.where(np.abs(d) > 1e-12, d, 0.0)
+            lonely, g = brpo.lonely_generators(d)
+            assert g.shape == (10, n_actions - 1, n_actions)
+            signs = np.stack([(d > 0).sum(1), (d < 0).sum(1)], 1)
+            assert (lonely == (signs.min(1) <= 1)).all()  # one coordinate of its sign (or d = 0)
+            if n_actions == 2:
+                assert (g[(d != 0).any(1)] == 1.0).all()  # the diagonal segment t (1, 1), exactly
+            for i in np.flatnonzero(lonely):
+                corners = np.array([np.array(t) @ g[i] for t in itertools.product([0.0, 1.0], repeat=n_actions - 1)])
+                assert np.abs(corners @ d[i]).max() <= 1e-12 and corners.min() >= 0 and corners.max() <= 1 + 1e-12
+                if (d[i] != 0).any():
+                    nz = d[i] != 0
+                    got = {tuple(r[nz]) for r in np.round(corners, 9)}
+                    ref = {tuple(r[nz]) for r in np.round(vertices_reference(d[i]), 9)}
+                    assert got == ref
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_solver_matches_brute_force(brpo, kind):
     rng = np.random.default_rng(list(KINDS).index(kind))
