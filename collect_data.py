@@ -71,8 +71,12 @@ class Args:
     """output file (only with a single --epsilon); default datasets/<env-id>_eps<epsilon>.npz"""
     behavior_path: Optional[str] = None
     """behaviour network file; default behavior_policies/<env-id>.npz (committed)"""
-    behavior_eval_episodes: int = 100
-    """episodes used to measure the behaviour policy's average return (stored in the dataset)"""
+    behavior_eval_episodes: int = 40
+    """start states of the behaviour-return measurement: episode i starts from reset(seed=eval_seed + i), the
+    start states on which the algorithm scripts are scored (their default --eval-episodes 40, --eval-seed 10000)"""
+    behavior_eval_passes: int = 10
+    """passes over those start states, each with its own exploration noise; behavior_return is the mean of all
+    passes' episodes (400 by default)"""
     eval_seed: int = 10_000
     """seed of the first measurement episode (episode i uses eval_seed + i)"""
     overwrite: bool = False
@@ -140,10 +144,11 @@ def behavior_probs(weights: dict, obs: np.ndarray, epsilon: float) -> np.ndarray
     return probs
 
 
-def run_episodes(env_id: str, weights: dict, epsilon: float, n: int, seed: int) -> np.ndarray:
-    """Returns of n epsilon-greedy episodes, run side by side (one batched forward per step)."""
+def run_episodes(env_id: str, weights: dict, epsilon: float, n: int, seed: int, noise_seed: Optional[int] = None) -> np.ndarray:
+    """Returns of n epsilon-greedy episodes, run side by side (one batched forward per step); episode i starts
+    from reset(seed=seed + i), the exploration noise comes from noise_seed (default: seed)."""
     envs = [make_env(env_id) for _ in range(n)]
-    rng = np.random.default_rng(seed)
+    rng = np.random.default_rng(seed if noise_seed is None else noise_seed)
     obs = np.stack([env.reset(seed=seed + i)[0] for i, env in enumerate(envs)]).astype(np.float64)
     returns, active = np.zeros(n), np.ones(n, dtype=bool)
     while active.any():
@@ -269,7 +274,10 @@ def collect(args: Args, env_id: str, epsilon: float, weights: dict, behavior_pat
         else:
             obs = nxt
     next_probs = behavior_probs(weights, next_buf, epsilon)
-    returns = run_episodes(env_id, weights, epsilon, args.behavior_eval_episodes, args.eval_seed)
+    # The behaviour return is measured on the start states the algorithms are scored on (paired comparison: a
+    # different sample of start states alone moves CartPole's return by ~5), several passes of exploration noise.
+    returns = np.concatenate([run_episodes(env_id, weights, epsilon, args.behavior_eval_episodes, args.eval_seed,
+                                           noise_seed=args.eval_seed + 7919 * p) for p in range(args.behavior_eval_passes)])
     settings = dict(asdict(args), epsilon=epsilon, env_id=env_id, behavior_path=str(behavior_path),
                     gymnasium_version=gym.__version__, numpy_version=np.__version__,
                     dataset_episodes=len(episode_returns),
@@ -297,6 +305,8 @@ def main(args: Args) -> None:
         fail(f"--num-transitions must be positive, got {args.num_transitions}")
     if args.behavior_eval_episodes <= 0:
         fail(f"--behavior-eval-episodes must be positive, got {args.behavior_eval_episodes}")
+    if args.behavior_eval_passes <= 0:
+        fail(f"--behavior-eval-passes must be positive, got {args.behavior_eval_passes}")
     if args.dataset_path is not None and len(args.epsilon) != 1:
         fail("--dataset-path names one file: give exactly one --epsilon with it")
     env = make_env(args.env_id)

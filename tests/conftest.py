@@ -19,7 +19,7 @@ def run(args: list[str], cwd: Path | None = None, timeout: float = 300) -> subpr
 
 def make_dataset(path: Path, env_id: str = "CartPole-v1", epsilon: float = 0.15, n: int = 2000, seed: int = 0) -> Path:
     proc = run([REPO / "collect_data.py", "--env-id", env_id, "--epsilon", str(epsilon), "--num-transitions", str(n),
-                "--behavior-eval-episodes", "3", "--seed", str(seed), "--dataset-path", path])
+                "--behavior-eval-episodes", "3", "--behavior-eval-passes", "1", "--seed", str(seed), "--dataset-path", path])
     assert proc.returncode == 0, proc.stderr
     return path
 

@@ -105,3 +105,23 @@ def test_bad_input(tmp_path, argv, needle):
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and needle in lines[0], proc.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+def test_behavior_return_is_measured_on_the_evaluation_start_states(datasets):
+    """eps = 0: the behaviour policy is the greedy policy of the stored network, so its stored return must be
+    that policy's mean return from the start states the scripts evaluate on (reset(seed=eval_seed + i)),
+    recomputed here with an independent implementation of the network."""
+    import gymnasium as gym
+
+    d = load(datasets[0.0])
+    settings = json.loads(str(d["settings_json"]))
+    returns = []
+    for i in range(settings["behavior_eval_episodes"]):
+        env = gym.make("CartPole-v1")
+        obs, _ = env.reset(seed=settings["eval_seed"] + i)
+        total, done = 0.0, False
+        while not done:
+            obs, r, term, trunc, _ = env.step(int(greedy_from_stored_network(d, obs[None])[0]))
+            total, done = total + r, term or trunc
+        returns.append(total)
+    assert float(d["behavior_return"]) == pytest.approx(np.mean(returns))
