@@ -7,7 +7,7 @@ state-action confidence constrained to sum_a lambda(s,a) (rho - beta)(a|s) = 0 s
 distribution at every state. One gradient update (paper Algorithm 1, coordinate ascent):
   1. sample a minibatch (s, a, r, s') of the batch;
   2. rho <- relative softmax of beta with the current confidence network lambda_phi (eq. relative_soft),
-     temperature tau_lambda(s) from kappa (with the paper's cap / decay remedy, end of Sec. 5);
+     temperature tau_lambda(s) from the paper's kappa(s), rescaled (see temperature());
   3. lambda-bar* <- argmax of the SAA lower bound over the minibatch (Sec. 5 "The Closed-form
      Confidence"), solved exactly (see the solver comment: the paper's closed form is not usable);
   4. one Adam step of lambda_phi on the KL distribution-fitting loss towards (1-lambda-bar*) beta +
@@ -55,16 +55,20 @@ from torch.utils.tensorboard import SummaryWriter
 
 REPO = Path(__file__).resolve().parent
 FORMAT_VERSION = 1
-# Defaults of the temperature remedy (paper, end of Sec. 5) and of the bound's penalty. Measured with
-# docs/brpo.md's probe grids (single seeds, 20k updates); the reasons:
-# * Without the remedy tau >= gamma / (2 - 2 gamma) = 49.5 (kappa >= 1) and rho stays within ~1% of beta:
-#   BRPO cannot move. kappa_max = 0.02 without decay gives tau = 0.99, constant over training, in units of
-#   the critic's mean action gap (--advantage-unit, our departure: the paper's tau is a pure number, W is
-#   not). Then rho(a|s) / beta(a|s) <= exp(gap / tau): an action the behaviour policy rarely takes stays
-#   rare in rho, which is what keeps BRPO at beta on near-deterministic data (eps = 0.05), while at large
-#   eps rho follows the critic. A greedier rho (kappa_max 0.005, 0.001) gains more at eps = 1 but collapses
-#   to offline-DQN returns at eps = 0.05 (CartPole 9 .. 135 vs behaviour 249): the critic's values of
-#   unseen actions are not to be trusted, and nothing in the bound knows that.
+# Defaults of the temperature remedy (paper, end of Sec. 5) and of the bound's penalty; the reasons (measured
+# with docs/brpo.md's probe grids):
+# * Temperature. Without a remedy tau >= gamma / (2 - 2 gamma) = 49.5 (kappa >= 1) and rho stays within ~1%
+#   of beta: BRPO cannot move. The paper's remedies are a cap and a decay of kappa (flags, off by default).
+#   Our default keeps the paper's state-dependent kappa(s) and multiplies it by kappa_scale = 0.02, so tau = 0.99
+#   where kappa = 1, in units of the critic's mean action gap (--advantage-unit, our departure: the paper's
+#   tau is a pure number, W is not). Why not the cap (the previous default, kappa_max = 0.02: tau = 0.99 at
+#   every state): on near-deterministic CartPole data the mu = 0.9 critic claims large advantages for rarely
+#   taken actions in states the batch covers thinly (near the track's edge: +2.8 gap units for the action
+#   that drives the cart out), a constant temperature follows such claims, and BRPO ended below the
+#   behaviour policy at 100k updates (CartPole eps 0.05 / 0.15 / 0.25, seeds 1-2: -9, +2, -1 against the
+#   behaviour's return on the same start states). With the paper's kappa, tau grows with lambda^2 W^2, the
+#   exponent lambda W / tau is bounded, and the same runs end at +0, +11, -2. The price is a less greedy rho
+#   where the data are rich (eps = 1): docs/brpo.md has the measurements.
 # * penalty_scale = 0.1: the paper's SAA penalty (1 - mu) gamma / (1 - gamma)^2 L'' L''' lets lambda-bar*
 #   move pi only about (1 - gamma) / (4 gamma (1 - mu)) = 2.5% in total variation from beta (CartPole
 #   eps = 1, raw-unit tau 0.99: 32 at scale 1, 101 at 0.1, 132 at 0.01); 0.1 leaves a ~25% budget in which
@@ -73,8 +77,7 @@ FORMAT_VERSION = 1
 # * mu stays at the paper's 0.9 (the critic of Algorithm 1). Its cost: on near-deterministic CartPole data
 #   the mostly-Q-learning critic overvalues actions the batch barely contains, and BRPO ends below beta
 #   (eps 0.05 / 0.15 in benchmark/quick_result); --mu 0.1 stays at beta there but gains far less elsewhere.
-KAPPA_MAX_DEFAULT = 0.02
-KAPPA_DECAY_DEFAULT = 1.0
+KAPPA_SCALE_DEFAULT = 0.02
 
 
 @dataclass
@@ -123,10 +126,12 @@ class Args:
     """critic mixing (Algorithm 1): V = (1-mu) E_beta Q + mu max Q, for the TD target and for W = Q - V"""
     confidence_learning_rate: float = 1e-4
     """Adam learning rate of the confidence network lambda_phi (paper: 1e-4)"""
-    kappa_max: float = KAPPA_MAX_DEFAULT
-    """cap of the temperature's kappa: kappa <- min(kappa_max, kappa) (paper, end of Sec. 5)"""
-    kappa_decay: float = KAPPA_DECAY_DEFAULT
-    """temperature decay kappa <- kappa * kappa_decay**k, k = number of updates done (paper, end of Sec. 5)"""
+    kappa_scale: float = KAPPA_SCALE_DEFAULT
+    """constant factor on the temperature's kappa: kappa <- kappa_scale * kappa (our remedy, see temperature())"""
+    kappa_max: float = math.inf
+    """cap of the temperature's kappa: kappa <- min(kappa_max, kappa) (paper's first remedy, end of Sec. 5; off)"""
+    kappa_decay: float = 1.0
+    """temperature decay kappa <- kappa * kappa_decay**k, k = updates done (paper's second remedy, end of Sec. 5; off)"""
     advantage_unit: bool = True
     """in the relative softmax, measure W in units of the critic's mean action gap (running average) so that the
     temperature means the same on every task (departure from the paper; --no-advantage-unit: raw W)"""
@@ -164,6 +169,8 @@ def check_args(args: Args) -> None:
         fail(f"--penalty-scale must be >= 0, got {args.penalty_scale}")
     if not args.kappa_max > 0:
         fail(f"--kappa-max must be positive, got {args.kappa_max}")
+    if not 0.0 < args.kappa_scale < math.inf:
+        fail(f"--kappa-scale must be positive and finite, got {args.kappa_scale}")
     if not 0.0 < args.kappa_decay <= 1.0:
         fail(f"--kappa-decay must lie in (0, 1], got {args.kappa_decay}")
 
@@ -234,6 +241,13 @@ def load_dataset(args: Args, obs_dim: int, n_actions: int) -> tuple[Path, dict]:
     return path, d
 
 
+def mlp(net: nn.Sequential, x: torch.Tensor) -> torch.Tensor:
+    """net(x) for the FC(32)-FC(16) Sequential, as explicit functional calls: the same operations, without the
+    per-module call machinery, which at batch 64 costs about as much as the arithmetic."""
+    l0, _, l1, _, l2 = net
+    return F.linear(F.relu(F.linear(F.relu(F.linear(x, l0.weight, l0.bias)), l1.weight, l1.bias)), l2.weight, l2.bias)
+
+
 class QNetwork(nn.Module):
     """FC(32)-FC(16), the architecture of every network in the paper."""
 
@@ -242,7 +256,7 @@ class QNetwork(nn.Module):
         self.net = nn.Sequential(nn.Linear(obs_dim, 32), nn.ReLU(), nn.Linear(32, 16), nn.ReLU(), nn.Linear(16, n_actions))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.net(x)
+        return mlp(self.net, x)
 
 
 
@@ -255,6 +269,7 @@ TAU_MIN = 1e-200  # smallest temperature (see temperature())
 UNIT_RATE = 0.01  # running-average rate of the advantage unit (about the last 100 updates)
 UNIT_MIN = 1e-8  # floor of the advantage unit: a constant critic (all gaps 0) must not divide by 0
 D_ZERO = 1e-12  # |rho - beta| below this is float noise of two distributions that agree (sum to 1 in float64)
+TINY = 1e-300  # floor of denominators that are positive up to underflow
 
 
 def row_sum(x: np.ndarray) -> np.ndarray:
@@ -293,22 +308,27 @@ def kappa(log_beta: np.ndarray, g: np.ndarray) -> np.ndarray:
     return 1.0 + logsumexp(log_beta + np.square(g))
 
 
-def temperature(beta, lam, w, gamma, kappa_max, kappa_decay, k, log_beta=None):
+def temperature(beta, lam, w, gamma, kappa_scale, kappa_max, kappa_decay, k, log_beta=None):
     """tau_lambda(s) = gamma * max{kappa_lambda(s), kappa_{|W| lambda}(s)} / (2 - 2 gamma) (eq. relative_soft),
-    with the paper's remedy (end of Sec. 5): kappa <- min(kappa_max, kappa) * kappa_decay**k, k = number of
-    updates done. Why the remedy is needed: kappa >= 1 always, so tau >= gamma / (2 - 2 gamma) = 49.5 at
-    gamma = 0.99 while advantages are O(1) (in action-gap units, see advantage_unit): lambda W / tau ~ 1e-2
-    and rho equals beta to within ~1%, so BRPO could never move away from beta. Defaults: see KAPPA_*_DEFAULT."""
+    with kappa <- kappa_scale * min(kappa_max, kappa) * kappa_decay**k, k = number of updates done.
+
+    Why a remedy is needed: kappa >= 1 always, so tau >= gamma / (2 - 2 gamma) = 49.5 at gamma = 0.99 while
+    advantages are O(1) (in action-gap units, see advantage_unit): lambda W / tau ~ 1e-2 and rho equals beta to
+    within ~1%, so BRPO could never move away from beta. The paper offers a cap (kappa_max) and a decay
+    (kappa_decay). A cap below 1 binds at every state and leaves a constant temperature; our default instead
+    keeps the paper's kappa(s) and only rescales it (kappa_scale): the state dependence is the weighted-Pinsker
+    term that makes tau grow like lambda^2 W^2 where the critic claims large advantages, so that
+    lambda W / tau stays bounded (by 0.62 / (49.5 kappa_scale) for two equally likely actions; tested) exactly
+    where a wrong critic would move rho furthest. Defaults and the measurements behind them: KAPPA_SCALE_DEFAULT."""
     if kappa_max <= 1.0:  # both kappas are >= 1 (log E exp(g^2) >= 0): the cap binds at every state
-        kap = np.full(beta.shape[0], kappa_max * kappa_decay**k)
+        kap = np.full(beta.shape[0], kappa_max)
     else:
         lb = log_probs(beta) if log_beta is None else log_beta
         w = np.clip(w, -W_CLAMP, W_CLAMP)
         kappa_lam = 1.0 + np.log((beta * np.exp(np.square(lam))).sum(-1))  # lambda in [0, 1]: no overflow
-        kap = np.maximum(kappa_lam, kappa(lb, np.abs(w) * lam))
-        kap = np.minimum(kap, kappa_max) * (kappa_decay**k)
+        kap = np.minimum(np.maximum(kappa_lam, kappa(lb, np.abs(w) * lam)), kappa_max)
     # floor: a decayed kappa may underflow to 0; with |W| <= W_CLAMP, lambda W / tau stays <= 1e300 (finite)
-    return np.maximum(gamma * kap / (2.0 - 2.0 * gamma), TAU_MIN)
+    return np.maximum(gamma * kap * (kappa_scale * kappa_decay**k) / (2.0 - 2.0 * gamma), TAU_MIN)
 
 
 def candidate_policy(beta, lam, w, tau, log_beta=None):
@@ -685,44 +705,58 @@ def _keep_columns(cand, vals, keep):
     return cand[b, order], vals[b, order]
 
 
-def _solve_generators(cs, us, vs, k, wbar, n_rays, refine_rays, best_f, t_best):
+def _ray_angles(thetas):
+    """(cos, sin) of ray angles, clipped to the quadrant [0, pi/2]."""
+    th = np.minimum(np.maximum(thetas, 0.0), 0.5 * np.pi)
+    return np.cos(th), np.sin(th)
+
+
+_GRID_CACHE: dict = {}
+
+
+def _grid_rays(n_rays):
+    if n_rays not in _GRID_CACHE:
+        _GRID_CACHE[n_rays] = _ray_angles(np.linspace(0.0, 0.5 * np.pi, n_rays))
+    return _GRID_CACHE[n_rays]
+
+
+def _solve_generators(gvals, k, wbar, n_rays, refine_rays, best_f, t_best):
     """All states are parallelepipeds (always for |A| <= 3): Z is the sum of the generators' segments
-    [0, (c_g, u_g, v_g)] and f = sum t_g c_g - k (sum t_g u_g)(sum t_g v_g), t in [0, 1]^G. Same ray method as
-    _sweep, specialised: along a ray (a, b) = s (alpha, beta_) generator g switches from 1 to 0 at
+    [0, (c_g, u_g, v_g)] (gvals: (G, 3)) and f = sum t_g c_g - k (sum t_g u_g)(sum t_g v_g), t in [0, 1]^G. Same
+    ray method as _sweep, specialised: along a ray (a, b) = s (alpha, beta_) generator g switches from 1 to 0 at
     s = c_g / (alpha u_g + beta_ v_g), so the path adds generators in decreasing order of that ratio (a few
     numpy calls instead of the general sweep). Returns (best_f, t_best), t_best unchanged (the same object)
     if no point of the paths beats best_f."""
-    g = cs.shape[0]
+    g = gvals.shape[0]
     # a generator with c_g <= 0 is dominated by t_g = 0: only the others take part (smaller arrays; the same
     # paths, as they would all come last)
-    pos = np.flatnonzero(cs > 0)
-    cuv = np.stack([cs[pos], us[pos], vs[pos]])  # (3, P)
-    thetas = np.linspace(0.0, 0.5 * np.pi, n_rays)
+    pos = np.flatnonzero(gvals[:, 0] > 0)
+    if pos.size == 0:
+        return best_f, t_best
+    cuv = gvals[pos].T  # (3, P); c_g > 0 needs u_g, v_g > 0
+    cs, us, vs = gvals.T
+    cos_t, sin_t = _grid_rays(n_rays)
     for it in range(2):
-        if pos.size == 0:
-            break
-        wgt = np.cos(thetas)[:, None] * cuv[1] + (np.sin(thetas) / wbar)[:, None] * cuv[2]  # (K, P)
-        with np.errstate(divide="ignore"):  # wgt > 0 up to underflow: c_g > 0 needs u_g, v_g > 0
-            order = np.argsort(-cuv[0] / wgt, axis=1, kind="stable")
+        wgt = cos_t[:, None] * cuv[1] + (sin_t / wbar)[:, None] * cuv[2]  # (K, P), > 0 up to underflow
+        order = np.argsort(-cuv[0] / np.maximum(wgt, TINY), axis=1, kind="stable")
         dc, du, dv = delta = cuv[:, order]  # (3, K, P): the e-th generator added along each ray's path
         c0, u0, v0 = np.cumsum(delta, 2) - delta  # path vertex before adding it
-        q = -k * du * dv
+        q = -k * du * dv  # < 0 unless k = 0 (then sigma = 1: the edge's end)
         lin = dc - k * (u0 * dv + v0 * du)
-        neg = q < 0
-        sig = np.where(neg, np.clip(lin / np.where(neg, -2.0 * q, 1.0), 0.0, 1.0), 1.0)
+        sig = np.minimum(np.maximum(lin / np.maximum(-2.0 * q, TINY), 0.0), 1.0)
         fseg = c0 - k * u0 * v0 + lin * sig + q * sig * sig  # best point of edge e (sigma = 1: next vertex)
         r, e = divmod(int(fseg.argmax()), pos.size)
         if fseg[r, e] > best_f:
             t = np.zeros(g)
             t[pos[order[r, :e]]] = 1.0
             t[pos[order[r, e]]] = sig[r, e]
-            f = float((t * cs).sum() - k * (t * us).sum() * (t * vs).sum())
+            f = float(t @ cs - k * (t @ us) * (t @ vs))
             if f > best_f:
                 best_f, t_best = f, t
-        uu, vv = (t_best * us).sum(), (t_best * vs).sum()
+        uu, vv = t_best @ us, t_best @ vs
         if it == 1 or (uu <= 0 and vv <= 0) or len(refine_rays) == 0:
             break
-        thetas = np.clip(math.atan2(uu * wbar, vv) + np.asarray(refine_rays), 0.0, 0.5 * np.pi)
+        cos_t, sin_t = _ray_angles(math.atan2(uu * wbar, vv) + np.asarray(refine_rays))
     return best_f, t_best
 
 
@@ -758,7 +792,7 @@ def solve_confidence(d, w, k, n_rays=4, refine_rays=(0.0, -0.03, 0.03, -0.1, 0.1
     if lonely.all():
         gvals = (gvec @ cuv).reshape(-1, 3)  # (B (|A|-1), 3): (c, u, v) of every generator
         t0 = np.full(gvals.shape[0], t_const)
-        best_f, t = _solve_generators(gvals[:, 0], gvals[:, 1], gvals[:, 2], k, wbar, n_rays, refine_rays, best_f, t0)
+        best_f, t = _solve_generators(gvals, k, wbar, n_rays, refine_rays, best_f, t0)
         # the clip only removes rounding: sum_i |d_i| / |d_j| is 1 up to ~1e-15, and so is lambda_j at t = 1
         return best_lam if t is t0 else np.clip((t.reshape(bsz, n - 1, 1) * gvec).sum(1), 0.0, 1.0)
     gvec, cuv_g = gvec[lonely].reshape(-1, n), cuv[lonely]
@@ -767,10 +801,9 @@ def solve_confidence(d, w, k, n_rays=4, refine_rays=(0.0, -0.03, 0.03, -0.1, 0.1
     hard = ~lonely  # states whose P_s is not a parallelepiped: vertex enumeration and envelope sweep
     cand = enumerate_vertices(d[hard])
     cand, vals = _prune(cand, cand @ cuv[hard])
-    thetas = np.linspace(0.0, 0.5 * np.pi, n_rays)
+    cos_t, sin_t = _grid_rays(n_rays)
     for it in range(2):
-        alpha, beta_ = np.cos(thetas), np.sin(thetas) / wbar
-        f, idx, order, jn, e, sig = _sweep(vals, gvals[gpos], alpha, beta_, k)
+        f, idx, order, jn, e, sig = _sweep(vals, gvals[gpos], cos_t, sin_t / wbar, k)
         r = int(f.argmax())
         if f[r] > best_f:
             lam_hard, t_pos = _rebuild(cand, gpos.size, idx, order, jn, r, int(e[r]), float(sig[r]))
@@ -788,7 +821,7 @@ def solve_confidence(d, w, k, n_rays=4, refine_rays=(0.0, -0.03, 0.03, -0.1, 0.1
         # the optimum lies on the ray through (kV*, kU*): angle atan(wbar U / V) in our scaling
         if len(refine_rays) == 0:
             break
-        thetas = np.clip(math.atan2(uu * wbar, vv) + np.asarray(refine_rays), 0.0, 0.5 * np.pi)
+        cos_t, sin_t = _ray_angles(math.atan2(uu * wbar, vv) + np.asarray(refine_rays))
     return best_lam
 
 
@@ -853,7 +886,7 @@ class ConfidenceNetwork(nn.Module):
         # float32 like the network: the numpy side converts to float64 (exactly), and the training loss
         # (lambda~ . g) then backpropagates without a float64 copy in the graph (same gradient: g is rounded
         # to float32 either way)
-        return torch.sigmoid(self.net(x))
+        return torch.sigmoid(mlp(self.net, x))
 
 
 def mixed_value(q: torch.Tensor, beta: torch.Tensor, mu: float) -> torch.Tensor:
@@ -876,7 +909,8 @@ def candidate(beta, lam_tilde, w, args, n_updates, unit, log_beta=None):
     Takes and returns float64 numpy arrays."""
     log_beta = log_probs(beta) if log_beta is None else log_beta
     w = w / max(unit, UNIT_MIN) if args.advantage_unit else w
-    tau = temperature(beta, lam_tilde, w, args.gamma, args.kappa_max, args.kappa_decay, n_updates, log_beta)
+    tau = temperature(beta, lam_tilde, w, args.gamma, args.kappa_scale, args.kappa_max, args.kappa_decay, n_updates,
+                      log_beta)
     return candidate_policy(beta, lam_tilde, w, tau, log_beta), tau
 
 

@@ -326,7 +326,7 @@ def test_candidate_policy(brpo):
     beta /= beta.sum(1, keepdims=True)
     w = rng.normal(size=(50, 4)) * 5
     lam = rng.random((50, 4))
-    tau = brpo.temperature(beta, lam, w, 0.99, 1.0, 1.0, 0)
+    tau = brpo.temperature(beta, lam, w, 0.99, 1.0, 1.0, 1.0, 0)
     assert (tau >= 0.99 / 0.02 * 1.0 - 1e-9).all()  # kappa >= 1 (and capped at kappa_max = 1 here)
     rho = brpo.candidate_policy(beta, lam, w, tau)
     assert np.allclose(rho.sum(1), 1.0, atol=1e-12) and (rho >= 0).all()
@@ -341,7 +341,7 @@ def test_candidate_policy(brpo):
     assert ((rho - beta)[w * lam == (w * lam).max(1, keepdims=True)] >= -1e-15).all()
     # huge advantages and vanishing temperatures: no NaN / inf, a distribution
     for scale, decay, k in ((1e6, 1.0, 0), (1e100, 1.0, 0), (1e300, 0.5, 2000), (1.0, 0.9, 10_000)):
-        tau = brpo.temperature(beta, lam, w * scale, 0.99, 1e6, decay, k)
+        tau = brpo.temperature(beta, lam, w * scale, 0.99, 1.0, 1e6, decay, k)
         rho = brpo.candidate_policy(beta, lam, w * scale, tau)
         assert np.isfinite(tau).all() and np.isfinite(rho).all()
         assert np.allclose(rho.sum(1), 1.0) and (rho[beta == 0] == 0).all()
@@ -360,7 +360,7 @@ def test_advantage_unit_makes_rho_scale_free(script):
     beta[:5, 0] = 0.0
     beta /= beta.sum(1, keepdims=True)
     w, lam = rng.normal(size=(20, 3)), rng.random((20, 3))
-    args = mod.Args(kappa_max=0.02, kappa_decay=1.0)
+    args = mod.Args(kappa_max=1.0, kappa_scale=0.02, kappa_decay=1.0)
     rho, tau = mod.candidate(beta, lam, w, args, 0, 0.5)
     # rewards x 1000 -> advantages and their unit x 1000: the same candidate policy
     rho_big, _ = mod.candidate(beta, lam, 1000.0 * w, args, 0, 500.0)
@@ -369,7 +369,7 @@ def test_advantage_unit_makes_rho_scale_free(script):
     ref = beta * np.exp(lam * (w / 0.5) / tau[:, None])
     assert np.allclose(rho, ref / ref.sum(1, keepdims=True), atol=1e-12)
     # --no-advantage-unit: the paper's raw W, the unit is ignored
-    raw = mod.Args(kappa_max=0.02, kappa_decay=1.0, advantage_unit=False)
+    raw = mod.Args(kappa_max=1.0, kappa_scale=0.02, kappa_decay=1.0, advantage_unit=False)
     assert np.allclose(mod.candidate(beta, lam, w, raw, 0, 0.5)[0], mod.candidate(beta, lam, w, raw, 0, 123.0)[0])
     # a zero unit (constant critic) is floored, never a division by zero
     rho0, _ = mod.candidate(beta, lam, w, args, 0, 0.0)
@@ -393,13 +393,17 @@ def test_temperature_cap_and_decay(brpo):
     beta = np.full((3, 2), 0.5)
     lam = np.ones((3, 2))
     w = np.array([[0.0, 0.0], [3.0, -3.0], [30.0, 1.0]])
-    tau = brpo.temperature(beta, lam, w, 0.99, 1e9, 1.0, 0)
+    tau = brpo.temperature(beta, lam, w, 0.99, 1.0, 1e9, 1.0, 0)
     kappa_w = 1 + np.logaddexp(np.log(0.5) + w[:, 0] ** 2, np.log(0.5) + w[:, 1] ** 2)  # exp(900) overflows
     expected = 0.99 * np.maximum(1 + np.log(np.e), kappa_w) / 0.02
     assert expected[2] == pytest.approx(0.99 * (1 + 900 + np.log(0.5)) / 0.02)
     assert np.allclose(tau, expected)
-    assert np.allclose(brpo.temperature(beta, lam, w, 0.99, 1.5, 1.0, 0), 0.99 * 1.5 / 0.02)
-    assert np.allclose(brpo.temperature(beta, lam, w, 0.99, 1.5, 0.9, 3), 0.99 * 1.5 * 0.9**3 / 0.02)
+    assert np.allclose(brpo.temperature(beta, lam, w, 0.99, 1.0, 1.5, 1.0, 0), 0.99 * 1.5 / 0.02)
+    assert np.allclose(brpo.temperature(beta, lam, w, 0.99, 1.0, 1.5, 0.9, 3), 0.99 * 1.5 * 0.9**3 / 0.02)
+    # the scale multiplies the paper's state-dependent kappa (no cap): tau = scale * paper's tau
+    assert np.allclose(brpo.temperature(beta, lam, w, 0.99, 0.02, np.inf, 1.0, 0), 0.02 * expected)
+    # a cap below 1 binds everywhere: a constant temperature, scaled too
+    assert np.allclose(brpo.temperature(beta, lam, w, 0.99, 0.5, 0.02, 1.0, 0), 0.99 * 0.5)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -561,10 +565,28 @@ def test_brpo_c_differs_only_in_confidence():
 
 
 @pytest.mark.parametrize("script,flag,value", [("brpo.py", "mu", 1.5), ("brpo.py", "kappa_decay", 0.0),
-                                               ("brpo.py", "kappa_max", -1.0), ("brpo.py", "confidence_learning_rate", 0.0),
+                                               ("brpo.py", "kappa_max", -1.0), ("brpo.py", "kappa_scale", 0.0),
+                                               ("brpo_c.py", "kappa_scale", float("inf")), ("brpo.py", "confidence_learning_rate", 0.0),
                                                ("brpo.py", "penalty_scale", -0.1),
                                                ("brpo_c.py", "lam", 2.0)])
 def test_bad_flags(script, flag, value):
     module = load_script(script)
     with pytest.raises(SystemExit, match="--" + flag.replace("_", "-")):
         module.check_args(module.Args(**{flag: value}))
+
+
+def test_state_dependent_temperature_bounds_the_exponent(brpo):
+    """With the paper's kappa(s) (no cap), tau grows like lambda^2 W^2: the relative-softmax exponent
+    lambda W / tau stays bounded however large the critic's claimed advantage (for two equally likely actions
+    by sup_x x / (1 + log(0.5 + 0.5 e^{x^2})) / (49.5 scale) = 0.619 / (49.5 scale)), while a constant
+    temperature (a cap below 1) follows any claim."""
+    beta = np.full((6, 2), 0.5)
+    lam = np.ones((6, 2))
+    w = np.array([[0.0, s] for s in (0.5, 1.0, 2.0, 5.0, 20.0, 100.0)])
+    scale = 0.02
+    exponent = np.abs(w[:, 1]) / brpo.temperature(beta, lam, w, 0.99, scale, np.inf, 1.0, 0)
+    assert exponent.max() <= 0.62 / (49.5 * scale)
+    assert exponent[-1] < exponent[3] < exponent[2]  # decreasing in the claimed advantage once it is large
+    tau_const = brpo.temperature(beta, lam, w, 0.99, scale, 1.0, 1.0, 0)
+    assert np.allclose(tau_const, 0.99)
+    assert (np.abs(w[:, 1]) / tau_const)[-1] > 100
