@@ -302,10 +302,10 @@ def logsumexp(x: np.ndarray) -> np.ndarray:
     return m[..., 0] + np.log(np.exp(x - m).sum(-1))
 
 
-def kappa(log_beta: np.ndarray, g: np.ndarray) -> np.ndarray:
+def kappa(log_beta: np.ndarray, g: np.ndarray, squared: bool = False) -> np.ndarray:
     """kappa_g(s) = 1 + log E_{a~beta}[exp(g(a|s)^2)] (paper, below eq. crpo_mu_2), in log-space:
-    logsumexp(log beta + g^2) cannot overflow for large |g| (it is ~max g^2)."""
-    return 1.0 + logsumexp(log_beta + np.square(g))
+    logsumexp(log beta + g^2) cannot overflow for large |g| (it is ~max g^2). squared: g holds g^2 already."""
+    return 1.0 + logsumexp(log_beta + (g if squared else np.square(g)))
 
 
 def temperature(beta, lam, w, gamma, kappa_scale, kappa_max, kappa_decay, k, log_beta=None):
@@ -324,9 +324,10 @@ def temperature(beta, lam, w, gamma, kappa_scale, kappa_max, kappa_decay, k, log
         kap = np.full(beta.shape[0], kappa_max)
     else:
         lb = log_probs(beta) if log_beta is None else log_beta
-        w = np.clip(w, -W_CLAMP, W_CLAMP)
-        kappa_lam = 1.0 + np.log((beta * np.exp(np.square(lam))).sum(-1))  # lambda in [0, 1]: no overflow
-        kap = np.minimum(np.maximum(kappa_lam, kappa(lb, np.abs(w) * lam)), kappa_max)
+        lam2 = np.square(lam)
+        # kappa_lambda and kappa_{|W| lambda} in one log-space pass (see kappa)
+        both = kappa(lb, np.stack([lam2, lam2 * np.square(np.minimum(np.abs(w), W_CLAMP))]), squared=True)
+        kap = np.minimum(np.maximum(both[0], both[1]), kappa_max)
     # floor: a decayed kappa may underflow to 0; with |W| <= W_CLAMP, lambda W / tau stays <= 1e300 (finite)
     return np.maximum(gamma * kap * (kappa_scale * kappa_decay**k) / (2.0 - 2.0 * gamma), TAU_MIN)
 
