@@ -768,7 +768,7 @@ def solve_confidence(d, w, k, n_rays=4, refine_rays=(0.0, -0.03, 0.03, -0.1, 0.1
     comment block above for the method: one sweep over n_rays ray angles, one refinement sweep around the
     fixed-point angle of the best point found."""
     d = np.asarray(d, dtype=np.float64)
-    w = np.clip(np.asarray(w, dtype=np.float64), -W_CLAMP, W_CLAMP)
+    w = np.minimum(np.maximum(np.asarray(w, dtype=np.float64), -W_CLAMP), W_CLAMP)
     d = np.where(np.abs(d) > D_ZERO, d, 0.0)
     c = d * w
     u = np.abs(d)
@@ -785,10 +785,13 @@ def solve_confidence(d, w, k, n_rays=4, refine_rays=(0.0, -0.03, 0.03, -0.1, 0.1
     best_lam = np.full_like(d, t_const)
     wbar = sv / su if sv > 0 else 1.0
     bsz, n = d.shape
-    if n == 2:  # lonely_generators' answer without its cost: one generator (1, 1) per state
-        lonely, gvec = np.ones(bsz, dtype=bool), np.ones((bsz, 1, 2))
-    else:
-        lonely, gvec = lonely_generators(d)
+    if n == 2:  # lonely_generators' answer without its cost: one generator (1, 1) per state, lambda = (t, t)
+        gvals = np.empty((bsz, 3))
+        gvals[:, 0], gvals[:, 1], gvals[:, 2] = row_sum(c), row_sum(u), row_sum(v)
+        t0 = np.full(bsz, t_const)
+        best_f, t = _solve_generators(gvals, k, wbar, n_rays, refine_rays, best_f, t0)
+        return best_lam if t is t0 else np.repeat(t[:, None], 2, 1)
+    lonely, gvec = lonely_generators(d)
     cuv = np.stack([c, u, v], -1)  # (B, |A|, 3)
     if lonely.all():
         gvals = (gvec @ cuv).reshape(-1, 3)  # (B (|A|-1), 3): (c, u, v) of every generator
@@ -895,14 +898,14 @@ def mixed_value(q: torch.Tensor, beta: torch.Tensor, mu: float) -> torch.Tensor:
     return (1.0 - mu) * (beta * q).sum(1) + mu * q.max(1).values
 
 
-def advantage_unit(q: torch.Tensor) -> float:
+def advantage_unit(q: np.ndarray) -> float:
     """Mean action gap max_a Q(s,a) - min_a Q(s,a) over a batch of states: the unit in which the relative
     softmax measures W (--advantage-unit). Why (departure): the paper's temperature is a pure number (kappa
     is dimensionless) while lambda W carries the reward's units, so one kappa_max gives an almost greedy rho
     on a task with large advantages and rho = beta on one with small ones (measured: CartPole's advantages are
     ~10x Acrobot's). Dividing W by its typical scale makes the defaults task-independent; the choice between
     actions inside a state, and which states have larger advantages than others, are unchanged."""
-    return float((q.max(1).values - q.min(1).values).mean())
+    return float((q.max(1) - q.min(1)).mean())
 
 
 def candidate(beta, lam_tilde, w, args, n_updates, unit, log_beta=None):
@@ -1009,7 +1012,7 @@ def main(args: Args) -> None:
     actions = torch.as_tensor(data["actions"])
     rewards = torch.as_tensor(data["rewards"])
     # Time-limit truncations (timeouts) are not terminal: we bootstrap through them.
-    not_done = torch.as_tensor(1.0 - data["terminals"].astype(np.float32))
+    bootstrap = torch.as_tensor(args.gamma * (1.0 - data["terminals"].astype(np.float32)))  # gamma, 0 at terminals
     # beta in float64, renormalised: sum_a (rho - beta) must be 0 to ~1e-16 for the equality constraint
     behavior_probs = torch.as_tensor(data["behavior_probs"], dtype=torch.float64)
     behavior_probs /= behavior_probs.sum(1, keepdim=True)
@@ -1042,16 +1045,16 @@ def main(args: Args) -> None:
         with torch.no_grad():
             # Algorithm 1, line 6: V(s') = (1-mu) E_beta Q'(s', .) + mu max Q'(s', .)
             next_v = mixed_value(target_network(next_obs[idx]), next_beta, args.mu)
-            td_target = rewards[idx] + args.gamma * next_v * not_done[idx]
+            td_target = torch.addcmul(rewards[idx], next_v, bootstrap[idx])  # r + gamma (1 - terminal) V(s')
         q_all = q_network(s)
         q = q_all.gather(1, actions[idx, None]).squeeze(1)
         loss = F.mse_loss(q, td_target)
+        q_np = q_all.detach().double().numpy()
         # running advantage unit (see advantage_unit), from the critic before its step like W
-        q_det = q_all.detach().double()
-        unit = advantage_unit(q_det) if step == 1 else (1.0 - UNIT_RATE) * unit + UNIT_RATE * advantage_unit(q_det)
+        unit = advantage_unit(q_np) if step == 1 else (1.0 - UNIT_RATE) * unit + UNIT_RATE * advantage_unit(q_np)
         # weighted advantage W = Q - V with the same mu (appendix), from the critic before its step: mixed_value
         # in float64 numpy like the rest of the confidence step (row sums: the same numbers, fewer op calls)
-        beta_np, q_np = beta.numpy(), q_det.numpy()
+        beta_np = beta.numpy()
         w_np = q_np - ((1.0 - args.mu) * row_sum(beta_np * q_np) + args.mu * row_max(q_np))[:, None]
 
         # --- confidence (Algorithm 1, lines 3-5) ---

@@ -405,14 +405,14 @@ def mixed_value(q: torch.Tensor, beta: torch.Tensor, mu: float) -> torch.Tensor:
     return (1.0 - mu) * (beta * q).sum(1) + mu * q.max(1).values
 
 
-def advantage_unit(q: torch.Tensor) -> float:
+def advantage_unit(q: np.ndarray) -> float:
     """Mean action gap max_a Q(s,a) - min_a Q(s,a) over a batch of states: the unit in which the relative
     softmax measures W (--advantage-unit). Why (departure): the paper's temperature is a pure number (kappa
     is dimensionless) while lambda W carries the reward's units, so one kappa_max gives an almost greedy rho
     on a task with large advantages and rho = beta on one with small ones (measured: CartPole's advantages are
     ~10x Acrobot's). Dividing W by its typical scale makes the defaults task-independent; the choice between
     actions inside a state, and which states have larger advantages than others, are unchanged."""
-    return float((q.max(1).values - q.min(1).values).mean())
+    return float((q.max(1) - q.min(1)).mean())
 
 
 def candidate(beta, lam_tilde, w, args, n_updates, unit, log_beta=None):
@@ -517,7 +517,7 @@ def main(args: Args) -> None:
     actions = torch.as_tensor(data["actions"])
     rewards = torch.as_tensor(data["rewards"])
     # Time-limit truncations (timeouts) are not terminal: we bootstrap through them.
-    not_done = torch.as_tensor(1.0 - data["terminals"].astype(np.float32))
+    bootstrap = torch.as_tensor(args.gamma * (1.0 - data["terminals"].astype(np.float32)))  # gamma, 0 at terminals
     # beta in float64, renormalised: sum_a (rho - beta) must be 0 to ~1e-16 for the equality constraint
     behavior_probs = torch.as_tensor(data["behavior_probs"], dtype=torch.float64)
     behavior_probs /= behavior_probs.sum(1, keepdim=True)
@@ -544,13 +544,13 @@ def main(args: Args) -> None:
         with torch.no_grad():
             # Algorithm 1, line 6: V(s') = (1-mu) E_beta Q'(s', .) + mu max Q'(s', .)
             next_v = mixed_value(target_network(next_obs[idx]), next_beta, args.mu)
-            td_target = rewards[idx] + args.gamma * next_v * not_done[idx]
+            td_target = torch.addcmul(rewards[idx], next_v, bootstrap[idx])  # r + gamma (1 - terminal) V(s')
         q_all = q_network(s)
         q = q_all.gather(1, actions[idx, None]).squeeze(1)
         loss = F.mse_loss(q, td_target)
-        q_det = q_all.detach().double()
+        q_np = q_all.detach().double().numpy()
         # running advantage unit (see advantage_unit), from the critic before its step like W
-        unit = advantage_unit(q_det) if step == 1 else (1.0 - UNIT_RATE) * unit + UNIT_RATE * advantage_unit(q_det)
+        unit = advantage_unit(q_np) if step == 1 else (1.0 - UNIT_RATE) * unit + UNIT_RATE * advantage_unit(q_np)
 
         optimizer.zero_grad()
         loss.backward()

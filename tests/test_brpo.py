@@ -353,7 +353,7 @@ def test_candidate_policy(brpo):
 @pytest.mark.parametrize("script", ["brpo.py", "brpo_c.py"])
 def test_advantage_unit_makes_rho_scale_free(script):
     mod = load_script(script)
-    q = torch.tensor([[1.0, 3.0, 2.0], [0.0, 0.0, 4.0]], dtype=torch.float64)
+    q = np.array([[1.0, 3.0, 2.0], [0.0, 0.0, 4.0]])
     assert mod.advantage_unit(q) == pytest.approx(3.0)  # mean of the gaps 2 and 4
     rng = np.random.default_rng(7)
     beta = rng.dirichlet(np.ones(3), size=20)
@@ -558,8 +558,8 @@ def test_brpo_c_differs_only_in_confidence():
     assert set(brpo_c) - set(brpo) == {"ConstantConfidence"}
     brpo_src, c_src = (REPO / "brpo.py").read_text().splitlines(), set((REPO / "brpo_c.py").read_text().splitlines())
     # inside main, the critic update, the target update and the evaluation are verbatim the same lines
-    for needle in ("next_v = mixed_value(", "td_target = rewards[idx]", "tp.lerp_(p, args.tau)", "returns = evaluate(act",
-                   "unit = advantage_unit(q_det) if step == 1"):
+    for needle in ("next_v = mixed_value(", "td_target = torch.addcmul(rewards[idx], next_v, bootstrap[idx])", "tp.lerp_(p, args.tau)", "returns = evaluate(act",
+                   "unit = advantage_unit(q_np) if step == 1"):
         line = next(line for line in brpo_src if needle in line)
         assert line in c_src
 
