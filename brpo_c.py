@@ -46,20 +46,24 @@ from torch.utils.tensorboard import SummaryWriter
 
 REPO = Path(__file__).resolve().parent
 FORMAT_VERSION = 1
-# Default of the temperature remedy (paper, end of Sec. 5); the reasons (measured with docs/brpo.md's probe grids):
+# Defaults of the temperature remedy (paper, end of Sec. 5) and of the candidate's pessimism; the reasons
+# (measured with docs/brpo.md's probe grids):
 # * Temperature. Without a remedy tau >= gamma / (2 - 2 gamma) = 49.5 (kappa >= 1) and rho stays within ~1%
-#   of beta: BRPO cannot move. The paper's remedies are a cap and a decay of kappa (flags, off by default).
-#   Our default keeps the paper's state-dependent kappa(s) and multiplies it by kappa_scale = 0.02, so tau = 0.99
-#   where kappa = 1, in units of the critic's mean action gap (--advantage-unit, our departure: the paper's
-#   tau is a pure number, W is not). Why not the cap (the previous default, kappa_max = 0.02: tau = 0.99 at
-#   every state): on near-deterministic CartPole data the mu = 0.9 critic claims large advantages for rarely
-#   taken actions in states the batch covers thinly (near the track's edge: +2.8 gap units for the action
-#   that drives the cart out), a constant temperature follows such claims, and BRPO ended below the
-#   behaviour policy at 100k updates (CartPole eps 0.05 / 0.15 / 0.25, seeds 1-2: -9, +2, -1 against the
-#   behaviour's return on the same start states). With the paper's kappa, tau grows with lambda^2 W^2, the
-#   exponent lambda W / tau is bounded, and the same runs end at +0, +11, -2. The price is a less greedy rho
-#   where the data are rich (eps = 1): docs/brpo.md has the measurements.
-KAPPA_SCALE_DEFAULT = 0.02
+#   of beta: BRPO cannot move. kappa_max = 0.02 without decay gives tau = 0.99, constant over training, in
+#   units of the critic's mean action gap (--advantage-unit, our departure: the paper's tau is a pure number,
+#   W is not). A greedier rho (kappa_max 0.005, 0.001) gains more at eps = 1 but collapses to offline-DQN
+#   returns at eps = 0.05 (CartPole 9 .. 135 vs behaviour 249). Keeping the paper's state-dependent kappa(s)
+#   at a usable scale (--kappa-max inf --kappa-scale 0.02) is safe on near-deterministic data but gives up most
+#   of the gains where the data are rich (CartPole eps = 1, 100k updates: 25 against 115, behaviour 22).
+# * pessimism = 1: inside the candidate, W(s, a) is lowered by pessimism / sqrt(beta(a|s)) advantage units (our
+#   departure, see candidate()). Without it, on near-deterministic CartPole data the mu = 0.9 critic claims
+#   large advantages for actions the behaviour policy rarely takes in states the batch covers thinly (near the
+#   track's edge: +2.8 units for the push that drives the cart out), rho follows, and BRPO ended below the
+#   behaviour policy at 100k updates (CartPole eps 0.05, seeds 1-2: 258 and 221 against 248 for the behaviour
+#   policy on the same start states). With it: 248 and 246; elsewhere the gains stay (CartPole eps = 1: 116,
+#   eps = 0.5: 237 against 123; Acrobot eps = 0.5: -125 against -186; LunarLander eps = 0.5: 25 against -27).
+KAPPA_MAX_DEFAULT = 0.02
+PESSIMISM_DEFAULT = 1.0
 
 
 @dataclass
@@ -108,12 +112,14 @@ class Args:
     """critic mixing (Algorithm 1): V = (1-mu) E_beta Q + mu max Q, for the TD target and for W = Q - V"""
     lam: float = 0.5
     """constant confidence lambda in [0, 1] (paper's final value 0.5)"""
-    kappa_scale: float = KAPPA_SCALE_DEFAULT
-    """constant factor on the temperature's kappa: kappa <- kappa_scale * kappa (our remedy, see temperature())"""
-    kappa_max: float = math.inf
-    """cap of the temperature's kappa: kappa <- min(kappa_max, kappa) (paper's first remedy, end of Sec. 5; off)"""
+    kappa_max: float = KAPPA_MAX_DEFAULT
+    """cap of the temperature's kappa: kappa <- min(kappa_max, kappa) (paper, end of Sec. 5); <= 1: constant tau"""
     kappa_decay: float = 1.0
-    """temperature decay kappa <- kappa * kappa_decay**k, k = updates done (paper's second remedy, end of Sec. 5; off)"""
+    """temperature decay kappa <- kappa * kappa_decay**k, k = number of updates done (paper, end of Sec. 5)"""
+    kappa_scale: float = 1.0
+    """constant factor on kappa (ours): with --kappa-max inf, the paper's state-dependent kappa(s) at a usable scale"""
+    pessimism: float = PESSIMISM_DEFAULT
+    """in the candidate policy, lower W(s,a) by pessimism / sqrt(beta(a|s)) advantage units (ours; 0 = the paper)"""
     advantage_unit: bool = True
     """in the relative softmax, measure W in units of the critic's mean action gap (running average) so that the
     temperature means the same on every task (departure from the paper; --no-advantage-unit: raw W)"""
@@ -149,6 +155,8 @@ def check_args(args: Args) -> None:
         fail(f"--kappa-max must be positive, got {args.kappa_max}")
     if not 0.0 < args.kappa_scale < math.inf:
         fail(f"--kappa-scale must be positive and finite, got {args.kappa_scale}")
+    if not 0.0 <= args.pessimism < math.inf:
+        fail(f"--pessimism must be >= 0 and finite, got {args.pessimism}")
     if not 0.0 < args.kappa_decay <= 1.0:
         fail(f"--kappa-decay must lie in (0, 1], got {args.kappa_decay}")
 
@@ -246,6 +254,7 @@ W_CLAMP = 1e100  # |W| cap before squaring in kappa: W^2 must stay finite in flo
 TAU_MIN = 1e-200  # smallest temperature (see temperature())
 UNIT_RATE = 0.01  # running-average rate of the advantage unit (about the last 100 updates)
 UNIT_MIN = 1e-8  # floor of the advantage unit: a constant critic (all gaps 0) must not divide by 0
+BETA_MIN = 1e-12  # floor of beta in the pessimism term (beta = 0 actions get rho = 0 from log beta anyway)
 
 
 def row_sum(x: np.ndarray) -> np.ndarray:
@@ -291,11 +300,10 @@ def temperature(beta, lam, w, gamma, kappa_scale, kappa_max, kappa_decay, k, log
     Why a remedy is needed: kappa >= 1 always, so tau >= gamma / (2 - 2 gamma) = 49.5 at gamma = 0.99 while
     advantages are O(1) (in action-gap units, see advantage_unit): lambda W / tau ~ 1e-2 and rho equals beta to
     within ~1%, so BRPO could never move away from beta. The paper offers a cap (kappa_max) and a decay
-    (kappa_decay). A cap below 1 binds at every state and leaves a constant temperature; our default instead
-    keeps the paper's kappa(s) and only rescales it (kappa_scale): the state dependence is the weighted-Pinsker
-    term that makes tau grow like lambda^2 W^2 where the critic claims large advantages, so that
-    lambda W / tau stays bounded (by 0.62 / (49.5 kappa_scale) for two equally likely actions; tested) exactly
-    where a wrong critic would move rho furthest. Defaults and the measurements behind them: KAPPA_SCALE_DEFAULT."""
+    (kappa_decay); a cap below 1 binds at every state and leaves a constant temperature (our default). The
+    scale (ours) instead keeps the paper's kappa(s): tau grows like lambda^2 W^2 where the critic claims large
+    advantages, so lambda W / tau stays bounded (by 0.62 / (49.5 kappa_scale) for two equally likely actions;
+    tested). Defaults and the measurements behind them: KAPPA_MAX_DEFAULT."""
     if kappa_max <= 1.0:  # both kappas are >= 1 (log E exp(g^2) >= 0): the cap binds at every state
         kap = np.full(beta.shape[0], kappa_max)
     else:
@@ -416,10 +424,22 @@ def advantage_unit(q: np.ndarray) -> float:
 
 
 def candidate(beta, lam_tilde, w, args, n_updates, unit, log_beta=None):
-    """rho from the current confidence (coordinate ascent, Sec. 5): tau from kappa, then relative softmax.
-    Takes and returns float64 numpy arrays."""
+    """rho from the current confidence (coordinate ascent, Sec. 5): tau from kappa, then relative softmax of a
+    pessimistic W. Takes and returns float64 numpy arrays.
+
+    Pessimism (--pessimism, our departure): the critic's error at (s, a) shrinks like 1 / sqrt(n(s, a)), and in
+    a batch drawn from beta, n(s, a) is proportional to beta(a|s) times the visits of s. So W(s, a) -
+    pessimism / sqrt(beta(a|s)) is, up to a per-state constant, a lower confidence bound on the advantage, and
+    the candidate follows the critic to an action only as far as the batch has seen that action there. On
+    uniform data (eps = 1) the correction is the same for every action of a state and changes nothing; on
+    near-deterministic data (eps = 0.05) an action taken 2.5% of the time must be claimed better than the
+    usual one by ~5 advantage units before rho moves towards it. This is what BRPO's confidence is meant to
+    do ("exploit where the batch covers, stay where it does not"), but the paper's lambda-bar* sees W and
+    not coverage, and W is wrong exactly where coverage is thin (see KAPPA_MAX_DEFAULT's measurements)."""
     log_beta = log_probs(beta) if log_beta is None else log_beta
     w = w / max(unit, UNIT_MIN) if args.advantage_unit else w
+    if args.pessimism > 0:  # beta = 0: rho = 0 there anyway (log beta = -inf); the floor only avoids 1 / 0
+        w = w - args.pessimism / np.sqrt(np.maximum(beta, BETA_MIN))
     tau = temperature(beta, lam_tilde, w, args.gamma, args.kappa_scale, args.kappa_max, args.kappa_decay, n_updates,
                       log_beta)
     return candidate_policy(beta, lam_tilde, w, tau, log_beta), tau

@@ -360,7 +360,7 @@ def test_advantage_unit_makes_rho_scale_free(script):
     beta[:5, 0] = 0.0
     beta /= beta.sum(1, keepdims=True)
     w, lam = rng.normal(size=(20, 3)), rng.random((20, 3))
-    args = mod.Args(kappa_max=1.0, kappa_scale=0.02, kappa_decay=1.0)
+    args = mod.Args(kappa_max=1.0, kappa_scale=0.02, kappa_decay=1.0, pessimism=0.0)
     rho, tau = mod.candidate(beta, lam, w, args, 0, 0.5)
     # rewards x 1000 -> advantages and their unit x 1000: the same candidate policy
     rho_big, _ = mod.candidate(beta, lam, 1000.0 * w, args, 0, 500.0)
@@ -369,11 +369,38 @@ def test_advantage_unit_makes_rho_scale_free(script):
     ref = beta * np.exp(lam * (w / 0.5) / tau[:, None])
     assert np.allclose(rho, ref / ref.sum(1, keepdims=True), atol=1e-12)
     # --no-advantage-unit: the paper's raw W, the unit is ignored
-    raw = mod.Args(kappa_max=1.0, kappa_scale=0.02, kappa_decay=1.0, advantage_unit=False)
+    raw = mod.Args(kappa_max=1.0, kappa_scale=0.02, kappa_decay=1.0, advantage_unit=False, pessimism=0.0)
     assert np.allclose(mod.candidate(beta, lam, w, raw, 0, 0.5)[0], mod.candidate(beta, lam, w, raw, 0, 123.0)[0])
     # a zero unit (constant critic) is floored, never a division by zero
     rho0, _ = mod.candidate(beta, lam, w, args, 0, 0.0)
     assert np.isfinite(rho0).all() and np.allclose(rho0.sum(1), 1.0)
+
+
+@pytest.mark.parametrize("script", ["brpo.py", "brpo_c.py"])
+def test_pessimism(script):
+    """W(s,a) - c / sqrt(beta(a|s)) inside the relative softmax: exactly that formula; no effect where beta is
+    uniform and lambda constant; less mass on rarely taken actions than without it, never NaN with beta = 0."""
+    mod = load_script(script)
+    rng = np.random.default_rng(8)
+    beta = rng.dirichlet(np.ones(3) * 0.5, size=30)
+    beta[:6, 2] = 0.0
+    beta /= beta.sum(1, keepdims=True)
+    w, lam = 3.0 * rng.normal(size=(30, 3)), rng.random((30, 3))
+    off, on = mod.Args(pessimism=0.0), mod.Args(pessimism=1.0)
+    rho_off, tau = mod.candidate(beta, lam, w, off, 0, 1.0)
+    rho_on, _ = mod.candidate(beta, lam, w, on, 0, 1.0)
+    pos = beta > 0
+    ref = np.where(pos, beta * np.exp(lam * (w - 1.0 / np.sqrt(np.where(pos, beta, 1.0))) / tau[:, None]), 0.0)
+    assert np.allclose(rho_on, ref / ref.sum(1, keepdims=True), atol=1e-12)
+    assert np.isfinite(rho_on).all() and (rho_on[~pos] == 0).all() and np.allclose(rho_on.sum(1), 1.0)
+    # with a state-constant lambda the rarest action of each state never gains mass from the correction
+    lam1 = np.repeat(lam[:, :1], 3, 1)
+    rare = np.where(pos, beta, np.inf).argmin(1)
+    rows = np.arange(30)
+    assert (mod.candidate(beta, lam1, w, on, 0, 1.0)[0][rows, rare] <= mod.candidate(beta, lam1, w, off, 0, 1.0)[0][rows, rare] + 1e-12).all()
+    # uniform beta and a state-constant lambda: the correction is a constant per state, rho is unchanged
+    uni = np.full((30, 3), 1.0 / 3.0)
+    assert np.allclose(mod.candidate(uni, lam1, w, on, 0, 1.0)[0], mod.candidate(uni, lam1, w, off, 0, 1.0)[0], atol=1e-12)
 
 
 def test_penalty_scale_zero_is_the_unpenalised_lp(brpo):
@@ -566,7 +593,7 @@ def test_brpo_c_differs_only_in_confidence():
 
 @pytest.mark.parametrize("script,flag,value", [("brpo.py", "mu", 1.5), ("brpo.py", "kappa_decay", 0.0),
                                                ("brpo.py", "kappa_max", -1.0), ("brpo.py", "kappa_scale", 0.0),
-                                               ("brpo_c.py", "kappa_scale", float("inf")), ("brpo.py", "confidence_learning_rate", 0.0),
+                                               ("brpo_c.py", "kappa_scale", float("inf")), ("brpo.py", "pessimism", -1.0), ("brpo.py", "confidence_learning_rate", 0.0),
                                                ("brpo.py", "penalty_scale", -0.1),
                                                ("brpo_c.py", "lam", 2.0)])
 def test_bad_flags(script, flag, value):
