@@ -624,6 +624,8 @@ def main(args: Args) -> None:
         writer.close()
     print(f"final score {final_score:.1f} (behaviour {result['behavior_return']:.1f}); "
           f"mean lambda {extra['mean_lambda']:.3f}, KL(pi||beta) {extra['kl_pi_beta']:.4f}; results in {run_dir}")
+    print(f"SAA estimate of the paper's bound on J_pi - J_beta over {len(stats_idx):,} dataset states: {extra['lower_bound']:.4g} "
+          "(a diagnostic, not a guarantee: docs/brpo.md)")
 
 
 if __name__ == "__main__":
