@@ -220,7 +220,12 @@ def top2(means: dict[str, float]) -> set[str]:
 
 
 def build_report(root: Path, runs: list[Run], skipped, expected_seeds: int | None, paper,
-                 invocations: list[str], command: str) -> tuple[str, dict]:
+                 invocations: list[str], command: str, algos: list[str] | None = None) -> tuple[str, dict]:
+    # the columns: every algorithm, or the chosen ones (--algos) in the paper's order; runs of the others are
+    # ignored, and "top-2" is then among the shown columns (no bold with fewer than three: it would be all)
+    shown = [a for a in ALGO_ORDER if algos is None or a in algos]
+    runs = [r for r in runs if r.algo in shown]
+    rank = len(shown) >= 3
     cells, warnings = group_cells(runs)
     rows = sorted({(env, eps) for env, eps, _ in cells}, key=lambda r: row_key(*r))
     n_expected = expected_seeds or max((c.n for cell in cells.values() for c in cell.configs), default=0)
@@ -232,20 +237,20 @@ def build_report(root: Path, runs: list[Run], skipped, expected_seeds: int | Non
 
     lines: list[str] = []
     summary = {a: {"rows": 0, "top2": 0, "ge_behavior": 0, "paper_top2": 0, "paper_ge_behavior": 0}
-               for a in ALGO_ORDER}
-    header = ["Task-ε"] + [LABELS[a] for a in ALGO_ORDER] + ["Behavior"]
+               for a in shown}
+    header = ["Task-ε"] + [LABELS[a] for a in shown] + ["Behavior"]
     lines.append("| " + " | ".join(header) + " |")
     lines.append("|" + "---|" * len(header))
     for env, eps in rows:
-        means = {a: cells[(env, eps, a)].selected.stats[0] for a in ALGO_ORDER if (env, eps, a) in cells}
-        best = top2(means)
+        means = {a: cells[(env, eps, a)].selected.stats[0] for a in shown if (env, eps, a) in cells}
+        best = top2(means) if rank else set()
         beh_values = behavior.get((env, eps), [])
         beh = sum(beh_values) / len(beh_values) if beh_values else None
         paper_beh = paper.get((env, eps, "Behavior"), (None,))[0]
-        paper_means = {a: paper[(env, eps, LABELS[a])][0] for a in ALGO_ORDER if (env, eps, LABELS[a]) in paper}
-        paper_best = {a for a in ALGO_ORDER if paper.get((env, eps, LABELS[a]), (0, 0, False))[2]}
+        paper_means = {a: paper[(env, eps, LABELS[a])][0] for a in shown if (env, eps, LABELS[a]) in paper}
+        paper_best = {a for a in shown if paper.get((env, eps, LABELS[a]), (0, 0, False))[2]}
         cells_text = []
-        for a in ALGO_ORDER:
+        for a in shown:
             cell = cells.get((env, eps, a))
             p = paper.get((env, eps, LABELS[a]))
             paper_txt = f" (paper {fmt_num(p[0])})" if p else ""
@@ -305,7 +310,10 @@ def build_report(root: Path, runs: list[Run], skipped, expected_seeds: int | Non
         "Each run's score is its `final_score` (mean of the last 10 evaluations, the paper's sliding window of 10; "
         "each evaluation averages its evaluation episodes). Cells: mean ± **sample** standard deviation "
         "(ddof=1) over seeds (the paper does not say which it used); no ± when only one seed. "
-        "Bold: top-2 of the row among the seven algorithms (ties included). `n=k/N`: only k of N seeds finished; "
+        + ("Bold: top-2 of the row among the seven algorithms (ties included). " if len(shown) == len(ALGO_ORDER) else
+           f"Only {', '.join(LABELS[a] for a in shown)} shown (`--algos`); "
+           + ("bold: top-2 of the row among them (ties included). " if rank else "no top-2 marks. "))
+        + "`n=k/N`: only k of N seeds finished; "
         "`—`: no finished run. In parentheses: the paper's value. The paper's LunarLander-v2 rows are "
         "compared with our LunarLander-v3. Behavior: the dataset's measured ε-greedy behaviour return "
         "(`behavior_return`).",
@@ -333,19 +341,20 @@ def build_report(root: Path, runs: list[Run], skipped, expected_seeds: int | Non
     # summary ----------------------------------------------------------------------------------
     body += ["", "## Summary", "",
              "How often each algorithm is among the top-2 of a row, and how often its mean is at or above the "
-             "behaviour policy, over the rows it has results for (paper: same rows, paper's numbers).", "",
+             "behaviour policy, over the rows it has results for (paper: same rows, paper's numbers"
+             + ("" if len(shown) == len(ALGO_ORDER) else "; the paper's top-2 is among all seven algorithms") + ").", "",
              "| Algorithm | Rows | Top-2 | Top-2 (paper) | ≥ Behavior | ≥ Behavior (paper) |",
              "|---|---|---|---|---|---|"]
-    for a in ALGO_ORDER:
+    for a in shown:
         s = summary[a]
-        body.append(f"| {LABELS[a]} | {s['rows']} | {s['top2']} | {s['paper_top2']} | "
+        body.append(f"| {LABELS[a]} | {s['rows']} | {s['top2'] if rank else '—'} | {s['paper_top2']} | "
                     f"{s['ge_behavior']} | {s['paper_ge_behavior']} |")
     if warnings or skipped:
         body += ["", "## Warnings", ""]
         body += [f"- {w}" for w in warnings]
         body += [f"- skipped `{p}`: {r}" for p, r in skipped]
     return "\n".join(body) + "\n", {"cells": cells, "rows": rows, "behavior": behavior,
-                                                 "summary": summary, "n_expected": n_expected}
+                                                 "summary": summary, "n_expected": n_expected, "algos": shown}
 
 
 def _num_sort(text: str):
@@ -391,7 +400,7 @@ def plot_curves(info: dict, out_dir: Path, smooth: int) -> list[Path]:
         epsilons = [eps for e, eps in rows if e == env]
         fig, axes = plt.subplots(1, len(epsilons), figsize=(4.2 * len(epsilons), 3.6), squeeze=False)
         for ax, eps in zip(axes[0], epsilons):
-            for a in ALGO_ORDER:
+            for a in info["algos"]:
                 cell = cells.get((env, eps, a))
                 if cell is None:
                     continue
@@ -459,6 +468,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--smooth", type=int, default=1,
                    help="trailing moving-average window for the curves (the paper used 10)")
     p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--algos", nargs="+", default=None, metavar="ALGO",
+                   help=f"only these algorithms' columns ({' '.join(ALGO_ORDER)}; default: all)")
     argv = list(sys.argv[1:] if argv is None else argv)
     opts = p.parse_args(argv)
     try:
@@ -467,9 +478,14 @@ def main(argv: list[str] | None = None) -> int:
             raise AggregateError(f"results directory '{root}' does not exist")
         if opts.expected_seeds is not None and opts.expected_seeds < 1:
             raise AggregateError("--expected-seeds must be >= 1")
+        unknown = sorted(set(opts.algos or ()) - set(ALGO_ORDER))
+        if unknown:
+            raise AggregateError(f"unknown algorithm(s) {' '.join(unknown)} in --algos; choose from {' '.join(ALGO_ORDER)}")
         if opts.paper_csv != PAPER_CSV and not opts.paper_csv.is_file():
             raise AggregateError(f"paper table '{opts.paper_csv}' not found")
         runs, skipped = load_runs(root)
+        if opts.algos:
+            runs = [r for r in runs if r.algo in opts.algos]
         if not runs:
             raise AggregateError(f"no valid result.json under '{root}'"
                                  + (f" ({len(skipped)} invalid/unfinished)" if skipped else ""))
@@ -480,7 +496,7 @@ def main(argv: list[str] | None = None) -> int:
     out = opts.out or root / "report"
     command = shlex.join(["python", "benchmark/aggregate.py", *argv])
     text, info = build_report(root, runs, skipped, opts.expected_seeds, load_paper(opts.paper_csv),
-                                          read_invocations(root), command)
+                                          read_invocations(root), command, opts.algos)
     write_atomic(out / "table1.md", text)
     buf = io.StringIO()
     fields = ["env_id", "epsilon", "algorithm", "config", "selected", "n", "mean", "std", "seeds"]

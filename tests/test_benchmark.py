@@ -434,6 +434,28 @@ def test_aggregate_selects_best_config_and_says_so(tmp_path):
     assert not list((tmp_path / "rep").glob("*.png"))
 
 
+def test_aggregate_algos_restricts_the_columns(tmp_path, capsys):
+    res = tmp_path / "res"
+    for algo, score in (("brpo", 60.0), ("brpo_c", 40.0), ("dqn", 99.0), ("bc", 10.0)):
+        write_result(res, "CartPole-v1", 0.15, algo, 1, score, behavior=50.0)
+    assert aggregate.main([str(res), "--out", str(tmp_path / "rep"), "--no-plots", "--algos", "brpo", "brpo_c"]) == 0
+    text = (tmp_path / "rep" / "table1.md").read_text()
+    assert "| Task-ε | BRPO-C | BRPO | Behavior |" in text and "DQN" not in text.split("## Summary")[1]
+    assert table_row(text, "CartPole-v1-0.15") == ["40.0 (paper 305.6)", "60.0 (paper 409.9)", "50.0 (paper 149.5)"]
+    assert "no top-2 marks" in text  # top-2 of two columns would mark both
+    summary = {line.split("|")[1].strip(): [c.strip() for c in line.strip("|").split("|")]
+               for line in text.split("## Summary")[1].splitlines() if line.startswith("| ") and "Algorithm" not in line}
+    assert set(summary) == {"BRPO-C", "BRPO"} and summary["BRPO"][4] == "1" and summary["BRPO-C"][4] == "0"
+    # three columns: top-2 among them (BC's 10 is not marked, DQN's 99 and BRPO's 60 are)
+    assert aggregate.main([str(res), "--out", str(tmp_path / "rep3"), "--no-plots", "--algos", "brpo", "dqn", "bc"]) == 0
+    row = table_row((tmp_path / "rep3" / "table1.md").read_text(), "CartPole-v1-0.15")
+    assert row[:3] == ["**99.0** (paper 299.3)", "**60.0** (paper 409.9)", "10.0 (paper 151.6)"]
+    capsys.readouterr()
+    assert aggregate.main([str(res), "--algos", "brpo", "ppo"]) == 2
+    assert capsys.readouterr().err.strip().startswith("aggregate.py: error: unknown algorithm(s) ppo in --algos")
+    assert not (res / "report").exists()
+
+
 def test_aggregate_learning_curve_stats():
     runs = [aggregate.Run(Path(f"/x/seed{s}/result.json"), "CartPole-v1", 0.5, "dqn", s, 0.0, None,
                           [1000, 2000, 3000], [float(s), 2.0 * s, 3.0 * s], {}) for s in (1, 2, 3)]
