@@ -63,6 +63,7 @@ class Run:
     args: dict
     group: str = ""
     hparams: dict = field(default_factory=dict)
+    extra: dict = field(default_factory=dict)  # the script's own end-of-run diagnostics (numbers only)
 
 
 def resolve_algo(data: dict, path: Path) -> str | None:
@@ -100,7 +101,9 @@ def load_runs(root: Path) -> tuple[list[Run], list[tuple[Path, str]]]:
                         seed=int(data["seed"]), final_score=float(data["final_score"]),
                         behavior_return=float(beh) if isinstance(beh, (int, float)) else None,
                         steps=[int(e["step"]) for e in data["evaluations"]],
-                        returns=[float(e["return_mean"]) for e in data["evaluations"]], args=args))
+                        returns=[float(e["return_mean"]) for e in data["evaluations"]], args=args,
+                        extra={k: v for k, v in (data.get("extra") or {}).items()
+                               if isinstance(v, (int, float)) and not isinstance(v, bool)}))
     for run in runs:
         run.hparams = {k: v for k, v in run.args.items() if k not in PER_RUN_KEYS}
         if re.fullmatch(r"seed\d+", run.path.parent.name):  # run_grid.py layout: seeds are siblings
@@ -509,9 +512,27 @@ def main(argv: list[str] | None = None) -> int:
                         "config": c.label, "selected": int(c is cell.selected), "n": c.n, "mean": f"{m:.4f}",
                         "std": "" if s is None else f"{s:.4f}", "seeds": " ".join(str(r.seed) for r in c.runs)})
     write_atomic(out / "configs.csv", buf.getvalue())
+    # one row per run: the per-seed numbers behind the table, with each script's diagnostics (e.g. BRPO's
+    # mean lambda, KL(pi || beta) and bound estimate)
+    cells = info["cells"]
+    extra_keys = sorted({k for cell in cells.values() for c in cell.configs for r in c.runs for k in r.extra})
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=["env_id", "epsilon", "algorithm", "config", "seed", "final_score",
+                                        "behavior_return", "score_minus_behavior", *extra_keys])
+    w.writeheader()
+    for cell in sorted(cells.values(), key=lambda c: (row_key(c.env_id, c.epsilon), ALGO_ORDER.index(c.algo))):
+        for c in cell.configs:
+            for r in c.runs:
+                beh = r.behavior_return
+                w.writerow({"env_id": cell.env_id, "epsilon": fmt_value(cell.epsilon), "algorithm": LABELS[cell.algo],
+                            "config": c.label, "seed": r.seed, "final_score": f"{r.final_score:.4f}",
+                            "behavior_return": "" if beh is None else f"{beh:.4f}",
+                            "score_minus_behavior": "" if beh is None else f"{r.final_score - beh:.4f}",
+                            **{k: f"{r.extra[k]:.6g}" if k in r.extra else "" for k in extra_keys}})
+    write_atomic(out / "runs.csv", buf.getvalue())
     plots = [] if opts.no_plots else plot_curves(info, out, opts.smooth)
     print(text)
-    print(f"wrote {out / 'table1.md'}, {out / 'configs.csv'}" + "".join(f", {p}" for p in plots), file=sys.stderr)
+    print(f"wrote {out / 'table1.md'}, {out / 'configs.csv'}, {out / 'runs.csv'}" + "".join(f", {p}" for p in plots), file=sys.stderr)
     return 0
 
 

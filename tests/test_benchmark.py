@@ -342,7 +342,7 @@ def test_slurm_every_cell_maps_to_exactly_one_index(repo, tmp_path, capsys):
 # aggregation
 # ----------------------------------------------------------------------------------------------
 def write_result(root, env, eps, algo, seed, score, config=None, hparams=None, behavior=50.0, n_evals=12,
-                 freq=1000):
+                 freq=1000, extra=None):
     config = config or algo
     run_dir = Path(root) / env / f"eps{eps:g}" / config / f"seed{seed}"
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -353,7 +353,7 @@ def write_result(root, env, eps, algo, seed, score, config=None, hparams=None, b
     data = {"algorithm": ALGORITHMS[algo][1], "env_id": env, "epsilon": eps, "seed": seed, "args": args,
             "evaluations": evals, "final_score": score, "behavior_return": behavior, "wall_time": 1.0,
             "train_time": 1.0, "eval_time": 0.1, "updates_per_second": 1000.0, "dataset_path": "d.npz",
-            "format_version": 1, "extra": {}}
+            "format_version": 1, "extra": extra or {}}
     (run_dir / "result.json").write_text(json.dumps(data))
     return run_dir
 
@@ -372,7 +372,8 @@ def test_aggregate_table_stats_top2_missing(tmp_path, capsys):
             write_result(res, "Acrobot-v1", 0.15, algo, seed, float(v), behavior=-114.0)
     # LunarLander-v3 results are compared with the paper's LunarLander-v2 row
     for seed in (1, 2, 3):
-        write_result(res, "LunarLander-v3", 0.5, "brpo", seed, 100.0 + seed, behavior=-36.0)
+        write_result(res, "LunarLander-v3", 0.5, "brpo", seed, 100.0 + seed, behavior=-36.0,
+                     extra={"mean_lambda": 0.25 * seed, "note": "text is not a diagnostic"})
     (res / "junk" / "seed1").mkdir(parents=True)
     (res / "junk" / "seed1" / "result.json").write_text("{not json")
     assert aggregate.main([str(res)]) == 0
@@ -407,6 +408,12 @@ def test_aggregate_table_stats_top2_missing(tmp_path, capsys):
     assert not list((res / "report").glob(".*tmp*"))
     rows = list(csv.DictReader(open(res / "report" / "configs.csv")))
     assert {r["algorithm"] for r in rows} == {"DQN", "BRPO-C", "BRPO", "BCQ", "KL-Q", "SPIBB"}
+    runs = list(csv.DictReader(open(res / "report" / "runs.csv")))
+    assert len(runs) == 3 + 3 + 3 + 3 + 2 + 1 + 3  # one row per valid result file
+    ll = [r for r in runs if r["env_id"] == "LunarLander-v3"]
+    assert [(r["seed"], float(r["score_minus_behavior"]), r["mean_lambda"]) for r in ll] == \
+        [("1", 137.0, "0.25"), ("2", 138.0, "0.5"), ("3", 139.0, "0.75")]
+    assert "note" not in runs[0] and all(r["mean_lambda"] == "" for r in runs if r["env_id"] == "Acrobot-v1")
 
 
 def test_aggregate_selects_best_config_and_says_so(tmp_path):
