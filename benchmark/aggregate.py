@@ -64,6 +64,7 @@ class Run:
     group: str = ""
     hparams: dict = field(default_factory=dict)
     extra: dict = field(default_factory=dict)  # the script's own end-of-run diagnostics (numbers only)
+    eval_se: float | None = None  # standard error of the final score's episodes (see load_runs)
 
 
 def resolve_algo(data: dict, path: Path) -> str | None:
@@ -97,13 +98,21 @@ def load_runs(root: Path) -> tuple[list[Run], list[tuple[Path, str]]]:
             continue
         args = {norm_key(k): v for k, v in (data.get("args") or {}).items()}
         beh = data.get("behavior_return")
+        # every evaluation replays the same start states with the same random numbers (fixed --eval-seed), so
+        # the last 10 evaluations are not 10 independent samples: the final score is about as noisy as one
+        # evaluation, whose standard error is the episodes' std / sqrt(episodes) (an upper bound for a
+        # comparison with the behaviour policy on the same start states)
+        n_ep = args.get("eval_episodes")
+        last = [e.get("return_std") for e in data["evaluations"][-10:]]
+        eval_se = (sum(last) / len(last) / math.sqrt(n_ep) if isinstance(n_ep, int) and n_ep > 0 and last
+                   and all(isinstance(x, (int, float)) for x in last) else None)
         runs.append(Run(path=path, env_id=ENV_RENAMES.get(env_id, env_id), epsilon=float(eps), algo=algo,
                         seed=int(data["seed"]), final_score=float(data["final_score"]),
                         behavior_return=float(beh) if isinstance(beh, (int, float)) else None,
                         steps=[int(e["step"]) for e in data["evaluations"]],
                         returns=[float(e["return_mean"]) for e in data["evaluations"]], args=args,
                         extra={k: v for k, v in (data.get("extra") or {}).items()
-                               if isinstance(v, (int, float)) and not isinstance(v, bool)}))
+                               if isinstance(v, (int, float)) and not isinstance(v, bool)}, eval_se=eval_se))
     for run in runs:
         run.hparams = {k: v for k, v in run.args.items() if k not in PER_RUN_KEYS}
         if re.fullmatch(r"seed\d+", run.path.parent.name):  # run_grid.py layout: seeds are siblings
@@ -518,7 +527,7 @@ def main(argv: list[str] | None = None) -> int:
     extra_keys = sorted({k for cell in cells.values() for c in cell.configs for r in c.runs for k in r.extra})
     buf = io.StringIO()
     w = csv.DictWriter(buf, fieldnames=["env_id", "epsilon", "algorithm", "config", "seed", "final_score",
-                                        "behavior_return", "score_minus_behavior", *extra_keys])
+                                        "behavior_return", "score_minus_behavior", "eval_se", *extra_keys])
     w.writeheader()
     for cell in sorted(cells.values(), key=lambda c: (row_key(c.env_id, c.epsilon), ALGO_ORDER.index(c.algo))):
         for c in cell.configs:
@@ -528,6 +537,7 @@ def main(argv: list[str] | None = None) -> int:
                             "config": c.label, "seed": r.seed, "final_score": f"{r.final_score:.4f}",
                             "behavior_return": "" if beh is None else f"{beh:.4f}",
                             "score_minus_behavior": "" if beh is None else f"{r.final_score - beh:.4f}",
+                            "eval_se": "" if r.eval_se is None else f"{r.eval_se:.4f}",
                             **{k: f"{r.extra[k]:.6g}" if k in r.extra else "" for k in extra_keys}})
     write_atomic(out / "runs.csv", buf.getvalue())
     plots = [] if opts.no_plots else plot_curves(info, out, opts.smooth)

@@ -413,6 +413,8 @@ def test_aggregate_table_stats_top2_missing(tmp_path, capsys):
     ll = [r for r in runs if r["env_id"] == "LunarLander-v3"]
     assert [(r["seed"], float(r["score_minus_behavior"]), r["mean_lambda"]) for r in ll] == \
         [("1", 137.0, "0.25"), ("2", 138.0, "0.5"), ("3", 139.0, "0.75")]
+    # write_result: return_std 1.0 over 40 episodes
+    assert all(float(r["eval_se"]) == pytest.approx(1.0 / math.sqrt(40), abs=1e-4) for r in runs)
     assert "note" not in runs[0] and all(r["mean_lambda"] == "" for r in runs if r["env_id"] == "Acrobot-v1")
 
 
