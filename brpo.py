@@ -310,10 +310,10 @@ def logsumexp(x: np.ndarray) -> np.ndarray:
     return m[..., 0] + np.log(np.exp(x - m).sum(-1))
 
 
-def kappa(log_beta: np.ndarray, g: np.ndarray, squared: bool = False) -> np.ndarray:
-    """kappa_g(s) = 1 + log E_{a~beta}[exp(g(a|s)^2)] (paper, below eq. crpo_mu_2), in log-space:
-    logsumexp(log beta + g^2) cannot overflow for large |g| (it is ~max g^2). squared: g holds g^2 already."""
-    return 1.0 + logsumexp(log_beta + (g if squared else np.square(g)))
+def kappa(log_beta: np.ndarray, g2: np.ndarray) -> np.ndarray:
+    """kappa_g(s) = 1 + log E_{a~beta}[exp(g(a|s)^2)] (paper, below eq. crpo_mu_2) from g2 = g^2, in log-space:
+    logsumexp(log beta + g^2) cannot overflow for large |g| (it is ~max g^2)."""
+    return 1.0 + logsumexp(log_beta + g2)
 
 
 def temperature(beta, lam, w, gamma, kappa_scale, kappa_max, kappa_decay, k, log_beta=None):
@@ -333,7 +333,7 @@ def temperature(beta, lam, w, gamma, kappa_scale, kappa_max, kappa_decay, k, log
         lb = log_probs(beta) if log_beta is None else log_beta
         lam2 = np.square(lam)
         # kappa_lambda and kappa_{|W| lambda} in one log-space pass (see kappa)
-        both = kappa(lb, np.stack([lam2, lam2 * np.square(np.minimum(np.abs(w), W_CLAMP))]), squared=True)
+        both = kappa(lb, np.stack([lam2, lam2 * np.square(np.minimum(np.abs(w), W_CLAMP))]))
         kap = np.minimum(np.maximum(both[0], both[1]), kappa_max)
     # floor: a decayed kappa may underflow to 0; with |W| <= W_CLAMP, lambda W / tau stays <= 1e300 (finite)
     return np.maximum(gamma * kap * (kappa_scale * kappa_decay**k) / (2.0 - 2.0 * gamma), TAU_MIN)

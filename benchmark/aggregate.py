@@ -233,10 +233,9 @@ def top2(means: dict[str, float]) -> set[str]:
 
 def build_report(root: Path, runs: list[Run], skipped, expected_seeds: int | None, paper,
                  invocations: list[str], command: str, algos: list[str] | None = None) -> tuple[str, dict]:
-    # the columns: every algorithm, or the chosen ones (--algos) in the paper's order; runs of the others are
-    # ignored, and "top-2" is then among the shown columns (no bold with fewer than three: it would be all)
+    # the columns: every algorithm, or the chosen ones (--algos, whose runs main() already selected) in the
+    # paper's order; "top-2" is then among the shown columns (no bold with fewer than three: it would be all)
     shown = [a for a in ALGO_ORDER if algos is None or a in algos]
-    runs = [r for r in runs if r.algo in shown]
     rank = len(shown) >= 3
     cells, warnings = group_cells(runs)
     rows = sorted({(env, eps) for env, eps, _ in cells}, key=lambda r: row_key(*r))
@@ -500,6 +499,7 @@ def main(argv: list[str] | None = None) -> int:
             runs = [r for r in runs if r.algo in opts.algos]
         if not runs:
             raise AggregateError(f"no valid result.json under '{root}'"
+                                 + (f" for --algos {' '.join(opts.algos)}" if opts.algos else "")
                                  + (f" ({len(skipped)} invalid/unfinished)" if skipped else ""))
     except AggregateError as e:
         print(f"aggregate.py: error: {e}", file=sys.stderr)

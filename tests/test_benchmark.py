@@ -462,6 +462,8 @@ def test_aggregate_algos_restricts_the_columns(tmp_path, capsys):
     capsys.readouterr()
     assert aggregate.main([str(res), "--algos", "brpo", "ppo"]) == 2
     assert capsys.readouterr().err.strip().startswith("aggregate.py: error: unknown algorithm(s) ppo in --algos")
+    assert aggregate.main([str(res), "--algos", "klq"]) == 2
+    assert capsys.readouterr().err.strip() == f"aggregate.py: error: no valid result.json under '{res}' for --algos klq"
     assert not (res / "report").exists()
 
 

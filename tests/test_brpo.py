@@ -346,7 +346,7 @@ def test_candidate_policy(brpo):
         assert np.isfinite(tau).all() and np.isfinite(rho).all()
         assert np.allclose(rho.sum(1), 1.0) and (rho[beta == 0] == 0).all()
     # kappa in log-space: no overflow for |W| lambda ~ 1e3 (exp(1e6) would be inf)
-    kap = brpo.kappa(brpo.log_probs(beta), np.full_like(beta, 1e3))
+    kap = brpo.kappa(brpo.log_probs(beta), np.full_like(beta, 1e3) ** 2)  # g = 1e3, passed as g^2
     assert np.isfinite(kap).all() and np.allclose(kap, 1.0 + 1e6)
 
 
