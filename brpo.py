@@ -298,6 +298,14 @@ def row_max(x: np.ndarray) -> np.ndarray:
     return s
 
 
+def row_min(x: np.ndarray) -> np.ndarray:
+    """x.min(-1) for a short last axis (see row_sum)."""
+    s = x[..., 0]
+    for i in range(1, x.shape[-1]):
+        s = np.minimum(s, x[..., i])
+    return s
+
+
 def log_probs(p: np.ndarray) -> np.ndarray:
     """log p with log 0 = -inf and no warning: actions outside beta's support drop out of every
     expectation and every softmax below."""
@@ -905,14 +913,26 @@ def mixed_value(q: torch.Tensor, beta: torch.Tensor, mu: float) -> torch.Tensor:
     return (1.0 - mu) * (beta * q).sum(1) + mu * q.max(1).values
 
 
-def advantage_unit(q: np.ndarray) -> float:
+def critic_output_grad(q_all: np.ndarray, a: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Gradient of the TD loss mean_s (Q(s, a_s) - y_s)^2 w.r.t. the critic's outputs Q(s, .) (float32, like
+    autograd through gather + mse_loss: 2 / |B| (Q - y) at the taken action, 0 elsewhere; tested to agree bit
+    for bit), and the TD errors. Passing it to backward() leaves those small graph nodes out of every update."""
+    rows = np.arange(a.shape[0])
+    td_error = q_all[rows, a] - y
+    g = np.zeros_like(q_all)
+    g[rows, a] = np.float32(2.0 / a.shape[0]) * td_error
+    return g, td_error
+
+
+def advantage_unit(q: np.ndarray, q_max: Optional[np.ndarray] = None) -> float:
     """Mean action gap max_a Q(s,a) - min_a Q(s,a) over a batch of states: the unit in which the relative
     softmax measures W (--advantage-unit). Why (departure): the paper's temperature is a pure number (kappa
     is dimensionless) while lambda W carries the reward's units, so one kappa_max gives an almost greedy rho
     on a task with large advantages and rho = beta on one with small ones (measured: CartPole's advantages are
     ~10x Acrobot's). Dividing W by its typical scale makes the defaults task-independent; the choice between
     actions inside a state, and which states have larger advantages than others, are unchanged."""
-    return float((q.max(1) - q.min(1)).mean())
+    gap = (row_max(q) if q_max is None else q_max) - row_min(q)
+    return float(gap.sum() / gap.shape[0])  # = gap.mean() bit for bit (the same pairwise sum), with less call overhead
 
 
 def candidate(beta, lam_tilde, w, args, n_updates, unit, log_beta=None):
@@ -1027,16 +1047,21 @@ def main(args: Args) -> None:
     torch.manual_seed(args.seed)
     generator = torch.Generator().manual_seed(args.seed)
     obs = torch.as_tensor(data["observations"])
-    next_obs = torch.as_tensor(data["next_observations"])
     actions = torch.as_tensor(data["actions"])
-    rewards = torch.as_tensor(data["rewards"])
+    actions_np = actions.numpy()
     # Time-limit truncations (timeouts) are not terminal: we bootstrap through them.
     bootstrap = torch.as_tensor(args.gamma * (1.0 - data["terminals"].astype(np.float32)))  # gamma, 0 at terminals
     # beta in float64, renormalised: sum_a (rho - beta) must be 0 to ~1e-16 for the equality constraint
     behavior_probs = torch.as_tensor(data["behavior_probs"], dtype=torch.float64)
     behavior_probs /= behavior_probs.sum(1, keepdim=True)
     log_behavior_probs = log_probs(behavior_probs.numpy())  # once, not per update
-    next_behavior_probs = torch.as_tensor(data["next_behavior_probs"])  # only in the critic target: float32
+    behavior_probs_np = behavior_probs.numpy()
+    # the float32 per-transition arrays side by side, so that a minibatch is one row gather (numpy's take: a
+    # fraction of torch's indexing overhead at 64 rows); next beta only enters the critic target: float32
+    table = np.concatenate([data["observations"], data["next_observations"], data["next_behavior_probs"],
+                            data["rewards"][:, None], bootstrap.numpy()[:, None]], 1, dtype=np.float32)
+    columns = (slice(0, obs_dim), slice(obs_dim, 2 * obs_dim), slice(2 * obs_dim, 2 * obs_dim + n_actions),
+               2 * obs_dim + n_actions, 2 * obs_dim + n_actions + 1)  # s, s', beta(.|s'), r, gamma (1 - terminal)
     behavior = BehaviorPolicy({k: data[f"behavior_{k}"] for k in ("w0", "b0", "w1", "b1", "w2", "b2")}, float(data["epsilon"]))
     # fixed dataset states for the diagnostics in result.json (own generator: training draws are unchanged)
     stats_idx = torch.randperm(len(actions), generator=torch.Generator().manual_seed(0))[:4096]
@@ -1060,27 +1085,34 @@ def main(args: Args) -> None:
     block_start = time.perf_counter()
     for step in range(1, args.total_steps + 1):
         idx = torch.randint(len(actions), (args.batch_size,), generator=generator)
-        s, beta, next_beta = obs[idx], behavior_probs[idx], next_behavior_probs[idx]
+        idx_np = idx.numpy()
+        batch_np = table.take(idx_np, 0)
+        s, next_s, _, r, boot = (torch.from_numpy(batch_np[:, c]) for c in columns)
+        beta = torch.from_numpy(behavior_probs_np.take(idx_np, 0))
         with torch.no_grad():
-            # Algorithm 1, line 6: V(s') = (1-mu) E_beta Q'(s', .) + mu max Q'(s', .)
-            next_v = mixed_value(target_network(next_obs[idx]), next_beta, args.mu)
-            td_target = torch.addcmul(rewards[idx], next_v, bootstrap[idx])  # r + gamma (1 - terminal) V(s')
+            next_q = target_network(next_s).numpy()
+        # Algorithm 1, line 6: V(s') = (1-mu) E_beta Q'(s', .) + mu max Q'(s', .) (= mixed_value, the same
+        # float32 numbers in numpy row operations: fewer op calls)
+        next_v = (1.0 - args.mu) * row_sum(batch_np[:, columns[2]] * next_q) + args.mu * row_max(next_q)
+        td_target = torch.addcmul(r, torch.from_numpy(next_v), boot)  # r + gamma (1 - terminal) V(s')
         q_all = q_network(s)
-        q = q_all.gather(1, actions[idx, None]).squeeze(1)
-        loss = F.mse_loss(q, td_target)
-        q_np = q_all.detach().double().numpy()
+        q32 = q_all.detach().numpy()
+        # d/dQ of the TD loss mean (Q(s, a) - y)^2 without gather + mse_loss in the graph (see critic_output_grad)
+        q_grad, td_error = critic_output_grad(q32, actions_np[idx_np], td_target.numpy())
+        q_np = q32.astype(np.float64)
         # running advantage unit (see advantage_unit), from the critic before its step like W
-        unit = advantage_unit(q_np) if step == 1 else (1.0 - UNIT_RATE) * unit + UNIT_RATE * advantage_unit(q_np)
+        q_max = row_max(q_np)
+        unit = advantage_unit(q_np, q_max) if step == 1 else (1.0 - UNIT_RATE) * unit + UNIT_RATE * advantage_unit(q_np, q_max)
         # weighted advantage W = Q - V with the same mu (appendix), from the critic before its step: mixed_value
         # in float64 numpy like the rest of the confidence step (row sums: the same numbers, fewer op calls)
         beta_np = beta.numpy()
-        w_np = q_np - ((1.0 - args.mu) * row_sum(beta_np * q_np) + args.mu * row_max(q_np))[:, None]
+        w_np = q_np - ((1.0 - args.mu) * row_sum(beta_np * q_np) + args.mu * q_max)[:, None]
 
         # --- confidence (Algorithm 1, lines 3-5) ---
         lam_tilde = confidence(s)  # float32, in the graph
         lam_np = lam_tilde.detach().numpy().astype(np.float64)
         rho_np, tau = candidate(beta_np, lam_np, w_np, args, step - 1, unit,
-                                log_behavior_probs[idx.numpy()])  # eq. relative_soft
+                                log_behavior_probs[idx_np])  # eq. relative_soft
         d = rho_np - beta_np
         lam_star = solve_confidence(d, w_np, k_penalty)  # lambda-bar*
         target_pi = beta_np + lam_star * d  # lambda-bar* is feasible: a distribution up to rounding
@@ -1090,7 +1122,8 @@ def main(args: Args) -> None:
         confidence_loss, grad = confidence_fit(lam_np, d, beta_np, rho_np, target_pi)
 
         optimizer.zero_grad()
-        (loss + (lam_tilde * torch.from_numpy(grad).float()).sum()).backward()  # disjoint parameters: one backward
+        # disjoint parameters: one backward pass from both output gradients
+        torch.autograd.backward((q_all, lam_tilde), (torch.from_numpy(q_grad), torch.from_numpy(grad).float()))
         optimizer.step()
 
         if step % args.target_update_frequency == 0:
@@ -1099,8 +1132,8 @@ def main(args: Args) -> None:
                     tp.lerp_(p, args.tau)
 
         if writer and step % 100 == 0:
-            writer.add_scalar("losses/td_loss", loss.item(), step)
-            writer.add_scalar("losses/q_values", q.mean().item(), step)
+            writer.add_scalar("losses/td_loss", float(np.square(td_error, dtype=np.float64).mean()), step)
+            writer.add_scalar("losses/q_values", float(q32[np.arange(len(idx_np)), actions_np[idx_np]].mean()), step)
             writer.add_scalar("confidence/advantage_unit", unit, step)
             writer.add_scalar("losses/confidence_loss", confidence_loss, step)
             writer.add_scalar("confidence/mean_lambda_star", float(lam_star.mean()), step)

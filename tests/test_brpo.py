@@ -192,6 +192,32 @@ def test_row_sum_and_max_bit_identical(script):
         assert np.array_equal(module.row_max(x), x.max(-1))
         y = rng.normal(size=(5, 7, n_actions))
         assert np.array_equal(module.row_sum(y), y.sum(-1))
+        assert np.array_equal(module.row_min(x), x.min(-1))
+        q = rng.normal(size=(64, n_actions))
+        assert module.advantage_unit(q) == (q.max(1) - q.min(1)).mean()  # bit for bit
+        assert module.advantage_unit(q, q.max(1)) == module.advantage_unit(q)
+
+
+@pytest.mark.parametrize("script", ["brpo.py", "brpo_c.py"])
+def test_training_loop_shortcuts_match_torch_bit_for_bit(script):
+    """The training loop's numpy forms of the critic's output gradient and of the target's mixed value
+    give exactly autograd's gradient through gather + mse_loss and mixed_value's numbers."""
+    module = load_script(script)
+    torch.manual_seed(0)
+    for n_actions in (2, 3, 4):
+        for batch in (64, 37):
+            q_all = (torch.randn(batch, n_actions) * 30.0).requires_grad_()
+            a = torch.randint(n_actions, (batch,))
+            y = torch.randn(batch) * 30.0
+            torch.nn.functional.mse_loss(q_all.gather(1, a[:, None]).squeeze(1), y).backward()
+            g, td_error = module.critic_output_grad(q_all.detach().numpy(), a.numpy(), y.numpy())
+            assert g.dtype == np.float32 and torch.equal(torch.from_numpy(g), q_all.grad)
+            assert np.array_equal(td_error, (q_all.detach().gather(1, a[:, None]).squeeze(1) - y).numpy())
+            beta = torch.softmax(torch.randn(batch, n_actions) * 3.0, 1)
+            q = q_all.detach()
+            ref = module.mixed_value(q, beta, 0.9)
+            got = (1.0 - 0.9) * module.row_sum(beta.numpy() * q.numpy()) + 0.9 * module.row_max(q.numpy())
+            assert np.array_equal(got, ref.numpy())
 
 
 def test_lonely_generators(brpo):
@@ -585,8 +611,8 @@ def test_brpo_c_differs_only_in_confidence():
     assert set(brpo_c) - set(brpo) == {"ConstantConfidence"}
     brpo_src, c_src = (REPO / "brpo.py").read_text().splitlines(), set((REPO / "brpo_c.py").read_text().splitlines())
     # inside main, the critic update, the target update and the evaluation are verbatim the same lines
-    for needle in ("next_v = mixed_value(", "td_target = torch.addcmul(rewards[idx], next_v, bootstrap[idx])", "tp.lerp_(p, args.tau)", "returns = evaluate(act",
-                   "unit = advantage_unit(q_np) if step == 1"):
+    for needle in ("next_v = (1.0 - args.mu) * row_sum(", "td_target = torch.addcmul(r, torch.from_numpy(next_v), boot)", "batch_np = table.take(idx_np, 0)", "tp.lerp_(p, args.tau)", "returns = evaluate(act",
+                   "unit = advantage_unit(q_np, q_max) if step == 1", "q_grad, td_error = critic_output_grad("):
         line = next(line for line in brpo_src if needle in line)
         assert line in c_src
 
