@@ -193,8 +193,10 @@ def write_json_atomic(path: Path, obj: dict) -> None:
 
 
 def make_policy(policy_network: PolicyNetwork, greedy: bool, seed: int):
-    """Acting function for evaluate(); sampling noise restarts from `seed` at each evaluation so
-    that every evaluation of the same network gives the same returns."""
+    """Acting function for evaluate(). The sampling noise of the evaluation after k updates starts from
+    seed + k (act.n_updates = k): each evaluation is reproducible on its own (a checkpoint re-evaluates to
+    the same returns), and the last 10 evaluations that make the final score average 10 independent draws
+    of the policy's randomness, like the behaviour policy's 10 passes in `behavior_return`."""
     generator = torch.Generator()
 
     def act(obs: np.ndarray) -> np.ndarray:
@@ -204,7 +206,8 @@ def make_policy(policy_network: PolicyNetwork, greedy: bool, seed: int):
                 return logits.argmax(1).numpy()
             return torch.multinomial(torch.softmax(logits, 1), 1, generator=generator).squeeze(1).numpy()
 
-    act.reset = lambda: generator.manual_seed(seed)
+    act.n_updates = 0
+    act.reset = lambda: generator.manual_seed(seed + act.n_updates)
     return act
 
 
@@ -221,7 +224,9 @@ def run_checkpoint(args: Args) -> None:
     envs = [make_env(env_id) for _ in range(args.eval_episodes)]
     policy_network = PolicyNetwork(ckpt["obs_dim"], ckpt["n_actions"])
     policy_network.load_state_dict(ckpt["policy_network"])
-    returns = evaluate(make_policy(policy_network, args.eval_greedy, args.eval_seed), envs, args.eval_seed)
+    act = make_policy(policy_network, args.eval_greedy, args.eval_seed)
+    act.n_updates = ckpt.get("n_updates", 0)  # the sampling noise of the run's own evaluation at that point
+    returns = evaluate(act, envs, args.eval_seed)
     print(f"{args.eval_checkpoint}: {env_id} return {returns.mean():.2f} +- {returns.std():.2f} over {len(returns)} episodes")
 
 
@@ -269,6 +274,7 @@ def main(args: Args) -> None:
         if step % args.eval_frequency == 0 or step == args.total_steps:
             now = time.perf_counter()
             train_time += now - block_start
+            act.n_updates = step
             returns = evaluate(act, eval_envs, args.eval_seed)
             block_start = time.perf_counter()
             eval_time += block_start - now
@@ -289,7 +295,8 @@ def main(args: Args) -> None:
     }
     if args.save_model:
         torch.save({"algorithm": Path(__file__).stem, "env_id": args.env_id, "obs_dim": obs_dim, "n_actions": n_actions,
-                    "args": asdict(args), "policy_network": policy_network.state_dict()}, run_dir / "model.pt")
+                    "args": asdict(args), "policy_network": policy_network.state_dict(), "n_updates": args.total_steps},
+                   run_dir / "model.pt")
     write_json_atomic(run_dir / "result.json", result)
     if writer:
         writer.add_scalar("eval/final_score", final_score, args.total_steps)

@@ -478,9 +478,12 @@ def policy_probs(obs, beta, q_network, confidence, args, n_updates, unit):
 
 
 def make_actor(behavior, q_network, confidence, args, greedy: bool):
-    """act(obs) for evaluate(); sampling uses its own generator, re-seeded before every evaluation so that
-    evaluations do not depend on training randomness (state['n_updates'] drives the temperature decay,
-    state['unit'] is the advantage unit at that time)."""
+    """act(obs) for evaluate(); sampling uses its own generator, re-seeded with eval_seed + k before the
+    evaluation after k updates: evaluations do not depend on training randomness, each is reproducible on
+    its own (a checkpoint re-evaluates to the same returns), and the last 10 evaluations that make the final
+    score average 10 independent draws of pi's randomness, like the behaviour policy's 10 passes in
+    `behavior_return` (state['n_updates'] drives the temperature decay, state['unit'] is the advantage unit
+    at that time)."""
     state = {"n_updates": 0, "unit": 1.0, "generator": torch.Generator()}
 
     def act(obs: np.ndarray) -> np.ndarray:
@@ -524,7 +527,7 @@ def run_checkpoint(args: Args) -> None:
     behavior = BehaviorPolicy({k: v.numpy() for k, v in ckpt["behavior"].items()}, ckpt["epsilon"])
     act, state = make_actor(behavior, q_network, confidence, saved, args.eval_greedy)
     state["n_updates"], state["unit"] = ckpt["n_updates"], ckpt["advantage_unit"]
-    state["generator"].manual_seed(args.eval_seed)
+    state["generator"].manual_seed(args.eval_seed + ckpt["n_updates"])  # the run's own evaluation at that point
     returns = evaluate(act, envs, args.eval_seed)
     print(f"{args.eval_checkpoint}: {env_id} return {returns.mean():.2f} +- {returns.std():.2f} over {len(returns)} episodes")
 
@@ -624,7 +627,7 @@ def main(args: Args) -> None:
             now = time.perf_counter()
             train_time += now - block_start
             actor_state["n_updates"], actor_state["unit"] = step, unit
-            actor_state["generator"].manual_seed(args.eval_seed)
+            actor_state["generator"].manual_seed(args.eval_seed + step)  # see make_actor
             returns = evaluate(act, eval_envs, args.eval_seed)
             block_start = time.perf_counter()
             eval_time += block_start - now

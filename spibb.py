@@ -301,8 +301,10 @@ def write_json_atomic(path: Path, obj: dict) -> None:
 
 def make_policy(q_network: QNetwork, weights: dict, epsilon: float, threshold: float, greedy: bool, seed: int):
     """Acting function for evaluate(): pi_spibb at the visited states (beta from the behaviour network,
-    Q from q_network), sampled or argmax; sampling noise restarts from `seed` at each evaluation so
-    that every evaluation of the same network gives the same returns."""
+    Q from q_network), sampled or argmax. The sampling noise of the evaluation after k updates starts from
+    seed + k (act.n_updates = k): each evaluation is reproducible on its own (a checkpoint re-evaluates to
+    the same returns), and the last 10 evaluations that make the final score average 10 independent draws
+    of the policy's randomness, like the behaviour policy's 10 passes in `behavior_return`."""
     generator = torch.Generator()
 
     def act(obs: np.ndarray) -> np.ndarray:
@@ -313,7 +315,8 @@ def make_policy(q_network: QNetwork, weights: dict, epsilon: float, threshold: f
                 return pi.argmax(1).numpy()
             return torch.multinomial(pi, 1, generator=generator).squeeze(1).numpy()
 
-    act.reset = lambda: generator.manual_seed(seed)
+    act.n_updates = 0
+    act.reset = lambda: generator.manual_seed(seed + act.n_updates)
     return act
 
 
@@ -335,6 +338,7 @@ def run_checkpoint(args: Args) -> None:
     weights = {k: v.numpy() for k, v in ckpt["behavior"].items()}
     policy = make_policy(q_network, weights, ckpt["epsilon"], ckpt["args"]["spibb_threshold"], args.eval_greedy,
                          args.eval_seed)
+    policy.n_updates = ckpt.get("n_updates", 0)  # the sampling noise of the run's own evaluation at that point
     returns = evaluate(policy, envs, args.eval_seed)
     print(f"{args.eval_checkpoint}: {env_id} return {returns.mean():.2f} +- {returns.std():.2f} over {len(returns)} episodes")
 
@@ -414,6 +418,7 @@ def main(args: Args) -> None:
         if step % args.eval_frequency == 0 or step == args.total_steps:
             now = time.perf_counter()
             train_time += now - block_start
+            act.n_updates = step
             returns = evaluate(act, eval_envs, args.eval_seed)
             block_start = time.perf_counter()
             eval_time += block_start - now
@@ -436,7 +441,8 @@ def main(args: Args) -> None:
     if args.save_model:
         torch.save({"algorithm": Path(__file__).stem, "env_id": args.env_id, "obs_dim": obs_dim, "n_actions": n_actions,
                     "args": asdict(args), "q_network": q_network.state_dict(), "epsilon": float(data["epsilon"]),
-                    "behavior": {k: torch.from_numpy(v) for k, v in weights.items()}}, run_dir / "model.pt")
+                    "behavior": {k: torch.from_numpy(v) for k, v in weights.items()}, "n_updates": args.total_steps},
+                   run_dir / "model.pt")
     write_json_atomic(run_dir / "result.json", result)
     if writer:
         writer.add_scalar("eval/final_score", final_score, args.total_steps)
