@@ -9,7 +9,8 @@ distribution at every state. One gradient update (paper Algorithm 1, coordinate 
   2. rho <- relative softmax of beta with the current confidence network lambda_phi (eq. relative_soft),
      temperature tau_lambda(s) from the paper's kappa(s), rescaled (see temperature());
   3. lambda-bar* <- argmax of the SAA lower bound over the minibatch (Sec. 5 "The Closed-form
-     Confidence"), solved exactly (see the solver comment: the paper's closed form is not usable);
+     Confidence"), solved exactly (see the solver comment: the paper's closed form is not usable), with the
+     same pessimistic advantage that built rho (solver_advantage);
   4. one Adam step of lambda_phi on the KL distribution-fitting loss towards (1-lambda-bar*) beta +
      lambda-bar* rho ("Learning the Confidence"); lambda_phi ends in an exact projection layer
      (eq. optimize_lambda) so it is feasible at ANY state (the loss and its gradient through the
@@ -71,6 +72,9 @@ FORMAT_VERSION = 1
 #   behaviour policy at 100k updates (CartPole eps 0.05, seeds 1-2: 258 and 221 against 248 for the behaviour
 #   policy on the same start states). With it: 248 and 246; elsewhere the gains stay (CartPole eps = 1: 116,
 #   eps = 0.5: 237 against 123; Acrobot eps = 0.5: -125 against -186; LunarLander eps = 0.5: 25 against -27).
+#   The solver's objective sees the same correction, centred under beta (solver_advantage): judged by the
+#   critic's raw W, lambda-bar* undid the pessimistic move wherever the critic claimed the rare action better,
+#   and BRPO ended ~5 below the behaviour policy on CartPole eps 0.25 (400 start states, both seeds).
 # * penalty_scale = 0.1: the paper's SAA penalty (1 - mu) gamma / (1 - gamma)^2 L'' L''' lets lambda-bar*
 #   move pi only about (1 - gamma) / (4 gamma (1 - mu)) = 2.5% in total variation from beta (CartPole
 #   eps = 1, raw-unit tau 0.99: 32 at scale 1, 101 at 0.1, 132 at 0.01); 0.1 leaves a ~25% budget in which
@@ -136,7 +140,8 @@ class Args:
     kappa_scale: float = 1.0
     """constant factor on kappa (ours): with --kappa-max inf, the paper's state-dependent kappa(s) at a usable scale"""
     pessimism: float = PESSIMISM_DEFAULT
-    """in the candidate policy, lower W(s,a) by pessimism / sqrt(beta(a|s)) advantage units (ours; 0 = the paper)"""
+    """lower W(s,a) by pessimism / sqrt(beta(a|s)) advantage units in the candidate policy, and (centred under beta)
+    in lambda-bar*'s objective (ours; 0 = the paper)"""
     advantage_unit: bool = True
     """in the relative softmax, measure W in units of the critic's mean action gap (running average) so that the
     temperature means the same on every task (departure from the paper; --no-advantage-unit: raw W)"""
@@ -957,6 +962,20 @@ def candidate(beta, lam_tilde, w, args, n_updates, unit, log_beta=None):
     return candidate_policy(beta, lam_tilde, w, tau, log_beta), tau
 
 
+def solver_advantage(w, beta, args, unit):
+    """The advantage lambda-bar*'s objective sees (our departure with --pessimism > 0; = W at 0):
+    W(s, a) - pessimism * unit * (1 / sqrt(beta(a|s)) - E_{b~beta}[1 / sqrt(beta(b|s))]), the candidate's lower
+    confidence bound (see candidate()) in W's units, centred under beta so that it stays an advantage (the
+    bound's penalty sees |W|, which a per-state shift would change). Why: with the critic's W, lambda-bar*
+    undoes the pessimism where it matters. On CartPole eps = 0.25 rho moves towards beta's usual action at
+    almost every state (the pessimism term), lambda-bar* set lambda = 0 wherever the critic claimed the rare
+    action better, and pi scored ~5 below beta on 400 start states; constant lambda on the same networks scored
+    ~5 above (docs/brpo.md). On uniform data (eps = 1) the correction is 0."""
+    inv = 1.0 / np.sqrt(np.maximum(beta, BETA_MIN))  # beta = 0: finite, and d = 0 there (rho = beta = 0)
+    scale = max(unit, UNIT_MIN) if args.advantage_unit else 1.0
+    return w - args.pessimism * scale * (inv - row_sum(beta * inv)[:, None])
+
+
 def policy_probs(obs, beta, q_network, confidence, args, n_updates, unit):
     """pi(.|s), lambda(s, .), rho(.|s) and W(s, .) at arbitrary states (no gradient): the deployed residual policy."""
     with torch.no_grad():
@@ -970,9 +989,12 @@ def policy_probs(obs, beta, q_network, confidence, args, n_updates, unit):
 
 
 def make_actor(behavior, q_network, confidence, args, greedy: bool):
-    """act(obs) for evaluate(); sampling uses its own generator, re-seeded before every evaluation so that
-    evaluations do not depend on training randomness (state['n_updates'] drives the temperature decay,
-    state['unit'] is the advantage unit at that time)."""
+    """act(obs) for evaluate(); sampling uses its own generator, re-seeded with eval_seed + k before the
+    evaluation after k updates: evaluations do not depend on training randomness, each is reproducible on
+    its own (a checkpoint re-evaluates to the same returns), and the last 10 evaluations that make the final
+    score average 10 independent draws of pi's randomness, like the behaviour policy's 10 passes in
+    `behavior_return` (state['n_updates'] drives the temperature decay, state['unit'] is the advantage unit
+    at that time)."""
     state = {"n_updates": 0, "unit": 1.0, "generator": torch.Generator()}
 
     def act(obs: np.ndarray) -> np.ndarray:
@@ -1016,7 +1038,7 @@ def run_checkpoint(args: Args) -> None:
     behavior = BehaviorPolicy({k: v.numpy() for k, v in ckpt["behavior"].items()}, ckpt["epsilon"])
     act, state = make_actor(behavior, q_network, confidence, saved, args.eval_greedy)
     state["n_updates"], state["unit"] = ckpt["n_updates"], ckpt["advantage_unit"]
-    state["generator"].manual_seed(args.eval_seed)
+    state["generator"].manual_seed(args.eval_seed + ckpt["n_updates"])  # the run's own evaluation at that point
     returns = evaluate(act, envs, args.eval_seed)
     print(f"{args.eval_checkpoint}: {env_id} return {returns.mean():.2f} +- {returns.std():.2f} over {len(returns)} episodes")
 
@@ -1114,7 +1136,8 @@ def main(args: Args) -> None:
         rho_np, tau = candidate(beta_np, lam_np, w_np, args, step - 1, unit,
                                 log_behavior_probs[idx_np])  # eq. relative_soft
         d = rho_np - beta_np
-        lam_star = solve_confidence(d, w_np, k_penalty)  # lambda-bar*
+        # lambda-bar* judges rho's move by the same lower confidence bound on the advantage that built rho
+        lam_star = solve_confidence(d, solver_advantage(w_np, beta_np, args, unit), k_penalty)  # lambda-bar*
         target_pi = beta_np + lam_star * d  # lambda-bar* is feasible: a distribution up to rounding
         # KL fit of pi_phi = beta + Phi(lambda~; rho - beta)(rho - beta) to the target (eq. optimize_lambda and
         # "Learning the Confidence"): value and d/d lambda~ in numpy (= autograd through project_confidence
@@ -1148,7 +1171,7 @@ def main(args: Args) -> None:
             now = time.perf_counter()
             train_time += now - block_start
             actor_state["n_updates"], actor_state["unit"] = step, unit
-            actor_state["generator"].manual_seed(args.eval_seed)
+            actor_state["generator"].manual_seed(args.eval_seed + step)  # see make_actor
             returns = evaluate(act, eval_envs, args.eval_seed)
             block_start = time.perf_counter()
             eval_time += block_start - now

@@ -429,6 +429,44 @@ def test_pessimism(script):
     assert np.allclose(mod.candidate(uni, lam1, w, on, 0, 1.0)[0], mod.candidate(uni, lam1, w, off, 0, 1.0)[0], atol=1e-12)
 
 
+def test_solver_advantage(brpo):
+    """lambda-bar* sees W minus the candidate's pessimism term centred under beta: W itself at pessimism 0 and
+    on uniform data, an advantage (beta-mean unchanged), finite with beta = 0, in W's units."""
+    rng = np.random.default_rng(9)
+    beta = rng.dirichlet(np.ones(4) * 0.5, size=40)
+    beta[:8, 3] = 0.0
+    beta /= beta.sum(1, keepdims=True)
+    w = 5.0 * rng.normal(size=(40, 4))
+    on = brpo.Args(pessimism=1.0)
+    assert np.array_equal(brpo.solver_advantage(w, beta, brpo.Args(pessimism=0.0), 2.0), w)
+    got = brpo.solver_advantage(w, beta, on, 2.0)
+    assert np.isfinite(got).all()
+    assert np.allclose((beta * got).sum(1), (beta * w).sum(1), atol=1e-9)
+    pos = beta[:, :3] > 0
+    inv = 1.0 / np.sqrt(beta[:, :3])
+    assert np.allclose(np.where(pos, got[:, :3] - w[:, :3], 0.0), np.where(pos, -2.0 * (inv - (beta * np.where(beta > 0, 1.0 / np.sqrt(np.where(beta > 0, beta, 1.0)), 0.0)).sum(1, keepdims=True)), 0.0))
+    uni = np.full((40, 4), 0.25)
+    assert np.allclose(brpo.solver_advantage(w, uni, on, 2.0), w, atol=1e-12)
+    # raw W (--no-advantage-unit): the correction is in raw units, the unit is ignored
+    raw = brpo.Args(pessimism=1.0, advantage_unit=False)
+    assert np.allclose(brpo.solver_advantage(w, beta, raw, 7.0), brpo.solver_advantage(w, beta, on, 1.0))
+
+
+def test_solver_keeps_the_pessimistic_move(brpo):
+    """The case that made BRPO lose on CartPole eps = 0.25: two actions, beta = (0.875, 0.125), rho moved
+    towards the usual action by the pessimism term while the critic claims the rare one slightly better.
+    With W the solver refuses that move (lambda = 0: pi = beta); with solver_advantage it keeps it."""
+    args = brpo.Args()
+    beta = np.tile([0.875, 0.125], (8, 1))
+    w = np.tile([-0.3, 0.2], (8, 1))  # critic: rare action better by 0.5 units (less than the ~1.76 pessimism gap)
+    rho, _ = brpo.candidate(beta, np.ones((8, 2)), w, args, 0, 1.0)
+    d = rho - beta
+    assert (d[:, 0] > 0).all()  # rho moved towards the usual action
+    k = brpo.penalty_weight(64, 0.99, 0.9) * 0.1
+    assert np.all(brpo.solve_confidence(d, w, k) == 0.0)
+    assert np.all(brpo.solve_confidence(d, brpo.solver_advantage(w, beta, args, 1.0), k) > 0.5)
+
+
 def test_penalty_scale_zero_is_the_unpenalised_lp(brpo):
     rng = np.random.default_rng(11)
     for n_actions in (2, 3, 4):
@@ -567,6 +605,14 @@ def train(script, dataset, tmp_path, name, *extra):
     proc = run([REPO / script, "--dataset-path", dataset, "--runs-dir", tmp_path / "runs", "--run-name", name, *TINY, *extra])
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads((tmp_path / "runs" / name / "result.json").read_text())
+
+
+def test_evaluations_draw_fresh_sampling_noise(datasets, tmp_path):
+    """--lam 0 makes pi = beta whatever the networks learn, so the three evaluations score one policy on the
+    same start states and differ only by pi's sampling noise. It must be fresh at each evaluation (seeded
+    eval_seed + updates): the final score's 10-evaluation window then averages 10 draws of it."""
+    r = train("brpo_c.py", datasets[0.15], tmp_path, "x", "--lam", "0")
+    assert len({e["return_mean"] for e in r["evaluations"]}) == 3
 
 
 @pytest.mark.parametrize("script", ["brpo.py", "brpo_c.py"])

@@ -1,0 +1,105 @@
+"""Where does a trained BRPO policy gain or lose against beta? Evaluate a saved brpo.py model (--save-model)
+next to variants that keep some of its parts and replace others, all on the same start states.
+
+    python benchmark/brpo_variants.py runs/<run>/model.pt --episodes 400
+
+Variants (each a distribution over actions at every visited state, sampled; same start states for all):
+  pi          the trained residual policy pi = beta + lambda (rho - beta)           (brpo.py --eval-checkpoint)
+  beta        the behaviour policy
+  greedy      beta's greedy action (epsilon = 0)
+  lam-const   pi with the confidence network's output replaced by a constant (--lam, default 0.7)
+  w-zero      pi with W = 0 in the candidate: rho moves only by the pessimism term
+  uniform     beta moved towards its greedy action by the same average amount as pi, at every state alike
+For diagnosis only: the variants are not methods (lam-const is BRPO-C's confidence on BRPO's networks).
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import tyro
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import brpo  # noqa: E402
+
+VARIANTS = ("pi", "beta", "greedy", "lam-const", "w-zero", "uniform")
+
+
+@dataclass
+class Args:
+    checkpoint: tyro.conf.Positional[str]
+    """model.pt saved by brpo.py --save-model"""
+    episodes: int = 400
+    """evaluation episodes per variant; episode i starts from reset(seed=eval_seed + i)"""
+    eval_seed: int = 10_000
+    """first start-state seed (brpo.py's default)"""
+    variants: tuple[str, ...] = VARIANTS
+    """which variants to evaluate"""
+    lam: float = 0.7
+    """the constant confidence of lam-const"""
+
+
+def main(args: Args) -> None:
+    torch.set_num_threads(1)
+    bad = set(args.variants) - set(VARIANTS)
+    if bad:
+        raise SystemExit(f"error: unknown variant(s) {sorted(bad)}; choose from {', '.join(VARIANTS)}")
+    try:
+        ckpt = torch.load(args.checkpoint, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise SystemExit(f"error: cannot read {args.checkpoint} ({type(e).__name__}: {e}); pass a brpo.py model.pt")
+    if ckpt.get("algorithm") != "brpo":
+        raise SystemExit(f"error: {args.checkpoint} was saved by {ckpt.get('algorithm')}.py; this needs a brpo.py model")
+    saved = brpo.Args(**{k: v for k, v in ckpt["args"].items() if k in brpo.Args.__dataclass_fields__})
+    q_network = brpo.QNetwork(ckpt["obs_dim"], ckpt["n_actions"])
+    q_network.load_state_dict(ckpt["q_network"])
+    confidence = brpo.load_confidence(ckpt, saved)
+    behavior = brpo.BehaviorPolicy({k: v.numpy() for k, v in ckpt["behavior"].items()}, ckpt["epsilon"])
+    n_updates, unit = ckpt["n_updates"], ckpt["advantage_unit"]
+    envs = [brpo.make_env(ckpt["env_id"]) for _ in range(args.episodes)]
+
+    def residual(obs, beta, lam_tilde=None, w_zero=False):
+        with torch.no_grad():
+            q = q_network(obs).double()
+            w = q - brpo.mixed_value(q, beta, saved.mu).unsqueeze(1)
+            lt = confidence(obs).double() if lam_tilde is None else torch.full_like(w, lam_tilde)
+        w = torch.zeros_like(w) if w_zero else w
+        rho, _ = brpo.candidate(beta.numpy(), lt.numpy(), w.numpy(), saved, n_updates, unit)
+        lam = brpo.project_confidence(lt, rho - beta.numpy())
+        return brpo.residual_policy(beta, torch.from_numpy(rho), lam)
+
+    def probs(variant, obs):
+        beta = behavior(obs)
+        one_hot = torch.nn.functional.one_hot(beta.argmax(1), beta.shape[1]).double()
+        if variant == "pi":
+            return residual(obs, beta)
+        if variant == "beta":
+            return beta
+        if variant == "greedy":
+            return one_hot
+        if variant == "lam-const":
+            return residual(obs, beta, lam_tilde=args.lam)
+        if variant == "w-zero":
+            return residual(obs, beta, w_zero=True)
+        # uniform: pi's average gain of probability on beta's greedy action, as one fraction of the way to it
+        gain = (residual(obs, beta) - beta).mul(one_hot).sum(1).mean() / (1.0 - beta.mul(one_hot).sum(1)).mean()
+        return beta + gain.clamp(0.0, 1.0) * (one_hot - beta)
+
+    print(f"{args.checkpoint}: {ckpt['env_id']} eps {ckpt['epsilon']:g}, {args.episodes} episodes from "
+          f"reset(seed={args.eval_seed} + i), sampled with seed {args.eval_seed}")
+    for variant in args.variants:
+        generator = torch.Generator().manual_seed(args.eval_seed)
+
+        def act(obs: np.ndarray, variant=variant, generator=generator) -> np.ndarray:
+            return torch.multinomial(probs(variant, torch.from_numpy(obs)), 1, generator=generator).squeeze(1).numpy()
+
+        returns = brpo.evaluate(act, envs, args.eval_seed)
+        print(f"{variant:10s} {returns.mean():8.1f}  (s.e. {returns.std() / np.sqrt(len(returns)):.1f})", flush=True)
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))
