@@ -940,7 +940,12 @@ def advantage_unit(q: np.ndarray, q_max: Optional[np.ndarray] = None) -> float:
     return float(gap.sum() / gap.shape[0])  # = gap.mean() bit for bit (the same pairwise sum), with less call overhead
 
 
-def candidate(beta, lam_tilde, w, args, n_updates, unit, log_beta=None):
+def sqrt_floored(beta: np.ndarray) -> np.ndarray:
+    """sqrt(beta) floored at sqrt(BETA_MIN): the pessimism term's denominator, finite where beta = 0."""
+    return np.sqrt(np.maximum(beta, BETA_MIN))
+
+
+def candidate(beta, lam_tilde, w, args, n_updates, unit, log_beta=None, sqrt_beta=None):
     """rho from the current confidence (coordinate ascent, Sec. 5): tau from kappa, then relative softmax of a
     pessimistic W. Takes and returns float64 numpy arrays.
 
@@ -956,13 +961,13 @@ def candidate(beta, lam_tilde, w, args, n_updates, unit, log_beta=None):
     log_beta = log_probs(beta) if log_beta is None else log_beta
     w = w / max(unit, UNIT_MIN) if args.advantage_unit else w
     if args.pessimism > 0:  # beta = 0: rho = 0 there anyway (log beta = -inf); the floor only avoids 1 / 0
-        w = w - args.pessimism / np.sqrt(np.maximum(beta, BETA_MIN))
+        w = w - args.pessimism / (sqrt_floored(beta) if sqrt_beta is None else sqrt_beta)
     tau = temperature(beta, lam_tilde, w, args.gamma, args.kappa_scale, args.kappa_max, args.kappa_decay, n_updates,
                       log_beta)
     return candidate_policy(beta, lam_tilde, w, tau, log_beta), tau
 
 
-def solver_advantage(w, beta, args, unit):
+def solver_advantage(w, beta, args, unit, sqrt_beta=None):
     """The advantage lambda-bar*'s objective sees (our departure with --pessimism > 0; = W at 0):
     W(s, a) - pessimism * unit * (1 / sqrt(beta(a|s)) - E_{b~beta}[1 / sqrt(beta(b|s))]), the candidate's lower
     confidence bound (see candidate()) in W's units, centred under beta so that it stays an advantage (the
@@ -971,7 +976,8 @@ def solver_advantage(w, beta, args, unit):
     almost every state (the pessimism term), lambda-bar* set lambda = 0 wherever the critic claimed the rare
     action better, and pi scored ~5 below beta on 400 start states; constant lambda on the same networks scored
     ~5 above (docs/brpo.md). On uniform data (eps = 1) the correction is 0."""
-    inv = 1.0 / np.sqrt(np.maximum(beta, BETA_MIN))  # beta = 0: finite, and d = 0 there (rho = beta = 0)
+    # beta = 0: finite, and d = 0 there (rho = beta = 0)
+    inv = 1.0 / (sqrt_floored(beta) if sqrt_beta is None else sqrt_beta)
     scale = max(unit, UNIT_MIN) if args.advantage_unit else 1.0
     return w - args.pessimism * scale * (inv - row_sum(beta * inv)[:, None])
 
@@ -1077,6 +1083,7 @@ def main(args: Args) -> None:
     behavior_probs = torch.as_tensor(data["behavior_probs"], dtype=torch.float64)
     behavior_probs /= behavior_probs.sum(1, keepdim=True)
     log_behavior_probs = log_probs(behavior_probs.numpy())  # once, not per update
+    sqrt_behavior_probs = sqrt_floored(behavior_probs.numpy())  # the pessimism term's, shared by rho and lambda-bar*
     behavior_probs_np = behavior_probs.numpy()
     # the float32 per-transition arrays side by side, so that a minibatch is one row gather (numpy's take: a
     # fraction of torch's indexing overhead at 64 rows); next beta only enters the critic target: float32
@@ -1133,11 +1140,12 @@ def main(args: Args) -> None:
         # --- confidence (Algorithm 1, lines 3-5) ---
         lam_tilde = confidence(s)  # float32, in the graph
         lam_np = lam_tilde.detach().numpy().astype(np.float64)
+        sqrt_beta = sqrt_behavior_probs[idx_np]
         rho_np, tau = candidate(beta_np, lam_np, w_np, args, step - 1, unit,
-                                log_behavior_probs[idx_np])  # eq. relative_soft
+                                log_behavior_probs[idx_np], sqrt_beta)  # eq. relative_soft
         d = rho_np - beta_np
         # lambda-bar* judges rho's move by the same lower confidence bound on the advantage that built rho
-        lam_star = solve_confidence(d, solver_advantage(w_np, beta_np, args, unit), k_penalty)  # lambda-bar*
+        lam_star = solve_confidence(d, solver_advantage(w_np, beta_np, args, unit, sqrt_beta), k_penalty)  # lambda-bar*
         target_pi = beta_np + lam_star * d  # lambda-bar* is feasible: a distribution up to rounding
         # KL fit of pi_phi = beta + Phi(lambda~; rho - beta)(rho - beta) to the target (eq. optimize_lambda and
         # "Learning the Confidence"): value and d/d lambda~ in numpy (= autograd through project_confidence

@@ -443,7 +443,12 @@ def advantage_unit(q: np.ndarray, q_max: Optional[np.ndarray] = None) -> float:
     return float(gap.sum() / gap.shape[0])  # = gap.mean() bit for bit (the same pairwise sum), with less call overhead
 
 
-def candidate(beta, lam_tilde, w, args, n_updates, unit, log_beta=None):
+def sqrt_floored(beta: np.ndarray) -> np.ndarray:
+    """sqrt(beta) floored at sqrt(BETA_MIN): the pessimism term's denominator, finite where beta = 0."""
+    return np.sqrt(np.maximum(beta, BETA_MIN))
+
+
+def candidate(beta, lam_tilde, w, args, n_updates, unit, log_beta=None, sqrt_beta=None):
     """rho from the current confidence (coordinate ascent, Sec. 5): tau from kappa, then relative softmax of a
     pessimistic W. Takes and returns float64 numpy arrays.
 
@@ -459,7 +464,7 @@ def candidate(beta, lam_tilde, w, args, n_updates, unit, log_beta=None):
     log_beta = log_probs(beta) if log_beta is None else log_beta
     w = w / max(unit, UNIT_MIN) if args.advantage_unit else w
     if args.pessimism > 0:  # beta = 0: rho = 0 there anyway (log beta = -inf); the floor only avoids 1 / 0
-        w = w - args.pessimism / np.sqrt(np.maximum(beta, BETA_MIN))
+        w = w - args.pessimism / (sqrt_floored(beta) if sqrt_beta is None else sqrt_beta)
     tau = temperature(beta, lam_tilde, w, args.gamma, args.kappa_scale, args.kappa_max, args.kappa_decay, n_updates,
                       log_beta)
     return candidate_policy(beta, lam_tilde, w, tau, log_beta), tau

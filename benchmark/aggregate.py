@@ -98,10 +98,10 @@ def load_runs(root: Path) -> tuple[list[Run], list[tuple[Path, str]]]:
             continue
         args = {norm_key(k): v for k, v in (data.get("args") or {}).items()}
         beh = data.get("behavior_return")
-        # every evaluation replays the same start states with the same random numbers (fixed --eval-seed), so
-        # the last 10 evaluations are not 10 independent samples: the final score is about as noisy as one
-        # evaluation, whose standard error is the episodes' std / sqrt(episodes) (an upper bound for a
-        # comparison with the behaviour policy on the same start states)
+        # standard error of one evaluation: the episodes' std / sqrt(episodes), averaged over the last 10. It
+        # includes the spread between start states, which the behaviour return (same start states) shares, so
+        # it over-states the noise of score - behaviour; for scripts older than fresh per-evaluation sampling
+        # noise (eval_seed + updates) the final score was about as noisy as this one evaluation
         n_ep = args.get("eval_episodes")
         last = [e.get("return_std") for e in data["evaluations"][-10:]]
         eval_se = (sum(last) / len(last) / math.sqrt(n_ep) if isinstance(n_ep, int) and n_ep > 0 and last

@@ -75,8 +75,8 @@ def main(args: Args) -> None:
     def probs(variant, obs):
         beta = behavior(obs)
         one_hot = torch.nn.functional.one_hot(beta.argmax(1), beta.shape[1]).double()
-        if variant == "pi":
-            return residual(obs, beta)
+        if variant == "pi":  # exactly what brpo.py deploys
+            return brpo.policy_probs(obs, beta, q_network, confidence, saved, n_updates, unit)[0]
         if variant == "beta":
             return beta
         if variant == "greedy":
@@ -86,7 +86,7 @@ def main(args: Args) -> None:
         if variant == "w-zero":
             return residual(obs, beta, w_zero=True)
         # uniform: pi's average gain of probability on beta's greedy action, as one fraction of the way to it
-        gain = (residual(obs, beta) - beta).mul(one_hot).sum(1).mean() / (1.0 - beta.mul(one_hot).sum(1)).mean()
+        gain = (probs("pi", obs) - beta).mul(one_hot).sum(1).mean() / (1.0 - beta.mul(one_hot).sum(1)).mean()
         return beta + gain.clamp(0.0, 1.0) * (one_hot - beta)
 
     print(f"{args.checkpoint}: {ckpt['env_id']} eps {ckpt['epsilon']:g}, {args.episodes} episodes from "
