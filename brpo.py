@@ -282,6 +282,7 @@ UNIT_RATE = 0.01  # running-average rate of the advantage unit (about the last 1
 UNIT_MIN = 1e-8  # floor of the advantage unit: a constant critic (all gaps 0) must not divide by 0
 BETA_MIN = 1e-12  # floor of beta in the pessimism term (beta = 0 actions get rho = 0 from log beta anyway)
 D_ZERO = 1e-12  # |rho - beta| below this is float noise of two distributions that agree (sum to 1 in float64)
+SNAP = 1e-12  # solver: a vertex coordinate within SNAP of 0 is rounding noise (enumerate_vertices)
 TINY = 1e-300  # floor of denominators that are positive up to underflow
 
 
@@ -563,8 +564,10 @@ def enumerate_vertices(d):
     lamj = -num / np.where(ok, dj, 1.0)
     ok &= (lamj >= -1e-9) & (lamj <= 1.0 + 1e-9)
     # snap float noise (lambda_j = 1 - 1e-16 from d_1 != -d_0 in the last bit) so duplicates are exact and
-    # _prune removes them; moves d . lambda by <= 1e-9 |d_j|
-    lamj = np.where(np.abs(lamj) < 1e-9, 0.0, np.where(np.abs(lamj - 1.0) < 1e-9, 1.0, np.clip(lamj, 0.0, 1.0)))
+    # _prune removes them; moves d . lambda by <= 1e-9 |d_j|. Near 0 the snap is far tighter (SNAP): there a
+    # small lambda_j can be a vertex's whole value (at 1e-9 the solver lost 40% of the optimum on an instance
+    # whose gain came from an action with |d_i| = 1e-10 |d_j|: tests/test_brpo.py::test_solver_tiny_coordinates)
+    lamj = np.where(np.abs(lamj) < SNAP, 0.0, np.where(np.abs(lamj - 1.0) < 1e-9, 1.0, np.clip(lamj, 0.0, 1.0)))
     cand = x[None, :, :] + onehot[None, :, :] * lamj[:, :, None]
     ends = np.broadcast_to(np.stack([np.zeros(n), np.ones(n)]), (bsz, 2, n))
     return np.concatenate([ends, cand * ok[:, :, None]], 1)
@@ -574,8 +577,9 @@ def lonely_generators(d):
     """Parallelepiped form of P_s (see the solver comment, (2)). Returns lonely (B,), True where one
     coordinate j = argmax |d_s| has the opposite sign of every other nonzero d_i, and g (B, |A|-1, |A|):
     g[s, i] = e_i + (|d_i| / |d_j|) e_j for the other coordinates i (in the order j+1, j+2, ... mod |A|).
-    At lonely states P_s = {sum_i t_i g[s, i] : t in [0, 1]^(|A|-1)}. Ratios within 1e-9 of 0 or 1 are
-    snapped like enumerate_vertices does (|A| = 2: g = (1, 1) exactly)."""
+    At lonely states P_s = {sum_i t_i g[s, i] : t in [0, 1]^(|A|-1)}. Ratios within 1e-9 of 1 are snapped like
+    enumerate_vertices does (|A| = 2: g = (1, 1) exactly); small ratios are kept (they are exact quotients,
+    not noise, and can carry the state's whole gain)."""
     bsz, n = d.shape
     rows = np.arange(bsz)[:, None]
     j = np.abs(d).argmax(1)
@@ -585,7 +589,7 @@ def lonely_generators(d):
     lonely = ~(do * dj[:, None] > 0).any(1)
     adj = np.abs(dj)[:, None]
     ratio = np.clip(np.abs(do) / np.where(adj > 0, adj, 1.0), 0.0, 1.0)
-    ratio = np.where(ratio < 1e-9, 0.0, np.where(ratio > 1.0 - 1e-9, 1.0, ratio))
+    ratio = np.where(ratio > 1.0 - 1e-9, 1.0, ratio)
     g = np.zeros((bsz, n - 1, n))
     gi = np.arange(n - 1)[None, :]
     g[rows, gi, others] = 1.0

@@ -316,6 +316,54 @@ def test_solver_degenerate_inputs(brpo):
 
 
 # ---------------------------------------------------------------------------------------------
+
+
+def exact_lp_max(d_row, c_row):
+    """max of c . lambda over {0 <= lambda <= 1, d . lambda = 0} for one state, in exact rational arithmetic
+    (the float references round vertices to 12 decimals, which is too coarse for coordinates ~1e-10)."""
+    from fractions import Fraction as F
+    d, c, n = [F(x) for x in d_row], [F(x) for x in c_row], len(d_row)
+    best = F(0)
+    for j in range(n):
+        if d[j] == 0:
+            continue
+        for corner in itertools.product([0, 1], repeat=n - 1):
+            x = list(corner[:j]) + [0] + list(corner[j:])
+            t = -sum(di * xi for di, xi in zip(d, x)) / d[j]
+            if 0 <= t <= 1:
+                x[j] = t
+                best = max(best, sum(ci * xi for ci, xi in zip(c, x)))
+    return best
+
+
+def test_solver_tiny_coordinates(brpo):
+    """Instances whose whole gain comes from coordinates with |d_i| ~ 1e-10 |d_j| (an action beta takes with
+    probability ~1e-10, next to large moves elsewhere in the state). The solver's float-noise snapping once
+    rounded such vertex coordinates to 0 and lost up to 40% of the optimum (found by a stress run)."""
+    rng = np.random.default_rng(5)
+    for i in range(40):
+        n_states, n_actions = int(rng.integers(1, 5)), int(rng.integers(3, 5))
+        d = np.zeros((n_states, n_actions))
+        w = np.zeros((n_states, n_actions))
+        for s in range(n_states):
+            x, delta = rng.uniform(0.1, 0.9), rng.choice([1e-11, 1e-10, 1e-9]) * rng.uniform(0.5, 2.0)
+            # rho moves mass x away from a good action and delta away from a bad, nearly untaken action, to a
+            # middling one: only the tiny move pays (w0 > w2 > 0 > w1)
+            row = np.array([-x, -delta, x + delta] + [0.0] * (n_actions - 3))
+            wr = np.array([rng.uniform(2, 3), -rng.uniform(0.5, 2), rng.uniform(0.5, 1.5)] + [0.0] * (n_actions - 3))
+            if n_actions == 4 and rng.random() < 0.5:  # two coordinates of each sign: the vertex-enumeration path
+                row = np.array([-x, -delta, x + delta - 0.05, 0.05])
+                wr[3] = -rng.uniform(3, 4)
+            perm = rng.permutation(n_actions)
+            d[s], w[s] = row[perm], wr[perm]
+        ref = float(sum(exact_lp_max(d[s], d[s] * w[s]) for s in range(n_states)))
+        assert ref > 0
+        for k in (0.0, 99.0 / n_states):  # the penalty is ~k delta^2 here: the LP optimum is the yardstick
+            lam = brpo.solve_confidence(d, w, k)
+            assert_feasible(lam, d)
+            f = objective(lam, d, w, k)
+            assert f <= ref * (1 + 1e-9)
+            assert f >= ref * (1 - 1e-4) - k * (2 * 2e-9) ** 2 * n_states ** 2 * 16, (i, k, f, ref)
 # Lower bound (SAA) and MM properties
 # ---------------------------------------------------------------------------------------------
 def t64(x):
@@ -615,7 +663,7 @@ def test_brpo_variants_tool(datasets, tmp_path):
     proc = run([REPO / "benchmark" / "brpo_variants.py", model, "--episodes", "3"])
     assert proc.returncode == 0, proc.stderr
     scores = dict(re.findall(r"^(\S+)\s+(-?[\d.]+)\s+\(s\.e\.", proc.stdout, re.M))
-    assert set(scores) == {"pi", "beta", "greedy", "lam-const", "w-zero", "uniform"}
+    assert set(scores) == {"pi", "beta", "greedy", "lam-const", "w-zero", "no-pess", "uniform"}
     assert all(np.isfinite(float(v)) for v in scores.values())
     again = run([REPO / "benchmark" / "brpo_variants.py", model, "--episodes", "3"])
     assert again.stdout == proc.stdout  # same start states and sampling seeds: the same numbers
