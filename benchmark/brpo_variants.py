@@ -9,6 +9,7 @@ Variants (each a distribution over actions at every visited state, sampled; same
   greedy      beta's greedy action (epsilon = 0)
   lam-const   pi with the confidence network's output replaced by a constant (--lam, default 0.7)
   w-zero      pi with W = 0 in the candidate: rho moves only by the pessimism term
+  no-pess     pi with the pessimism term removed from the candidate (--pessimism 0 at deployment only)
   uniform     beta moved towards its greedy action by the same average amount as pi, at every state alike
 For diagnosis only: the variants are not methods (lam-const is BRPO-C's confidence on BRPO's networks).
 """
@@ -16,7 +17,7 @@ For diagnosis only: the variants are not methods (lam-const is BRPO-C's confiden
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -26,7 +27,7 @@ import tyro
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import brpo  # noqa: E402
 
-VARIANTS = ("pi", "beta", "greedy", "lam-const", "w-zero", "uniform")
+VARIANTS = ("pi", "beta", "greedy", "lam-const", "w-zero", "no-pess", "uniform")
 
 
 @dataclass
@@ -62,13 +63,14 @@ def main(args: Args) -> None:
     n_updates, unit = ckpt["n_updates"], ckpt["advantage_unit"]
     envs = [brpo.make_env(ckpt["env_id"]) for _ in range(args.episodes)]
 
-    def residual(obs, beta, lam_tilde=None, w_zero=False):
+    def residual(obs, beta, lam_tilde=None, w_zero=False, pessimism=saved.pessimism):
         with torch.no_grad():
             q = q_network(obs).double()
             w = q - brpo.mixed_value(q, beta, saved.mu).unsqueeze(1)
             lt = confidence(obs).double() if lam_tilde is None else torch.full_like(w, lam_tilde)
         w = torch.zeros_like(w) if w_zero else w
-        rho, _ = brpo.candidate(beta.numpy(), lt.numpy(), w.numpy(), saved, n_updates, unit)
+        rho, _ = brpo.candidate(beta.numpy(), lt.numpy(), w.numpy(), replace(saved, pessimism=pessimism), n_updates,
+                                unit)
         lam = brpo.project_confidence(lt, rho - beta.numpy())
         return brpo.residual_policy(beta, torch.from_numpy(rho), lam)
 
@@ -85,6 +87,8 @@ def main(args: Args) -> None:
             return residual(obs, beta, lam_tilde=args.lam)
         if variant == "w-zero":
             return residual(obs, beta, w_zero=True)
+        if variant == "no-pess":
+            return residual(obs, beta, pessimism=0.0)
         # uniform: pi's average gain of probability on beta's greedy action, as one fraction of the way to it
         gain = (probs("pi", obs) - beta).mul(one_hot).sum(1).mean() / (1.0 - beta.mul(one_hot).sum(1)).mean()
         return beta + gain.clamp(0.0, 1.0) * (one_hot - beta)
