@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import json
 import re
+from fractions import Fraction
 
 import numpy as np
 import pytest
@@ -315,15 +316,11 @@ def test_solver_degenerate_inputs(brpo):
     assert objective(lam, d, w, 0.0) == pytest.approx(ref, rel=1e-9, abs=1e-12)
 
 
-# ---------------------------------------------------------------------------------------------
-
-
 def exact_lp_max(d_row, c_row):
     """max of c . lambda over {0 <= lambda <= 1, d . lambda = 0} for one state, in exact rational arithmetic
     (the float references round vertices to 12 decimals, which is too coarse for coordinates ~1e-10)."""
-    from fractions import Fraction as F
-    d, c, n = [F(x) for x in d_row], [F(x) for x in c_row], len(d_row)
-    best = F(0)
+    d, c, n = [Fraction(x) for x in d_row], [Fraction(x) for x in c_row], len(d_row)
+    best = Fraction(0)
     for j in range(n):
         if d[j] == 0:
             continue
@@ -358,12 +355,17 @@ def test_solver_tiny_coordinates(brpo):
             d[s], w[s] = row[perm], wr[perm]
         ref = float(sum(exact_lp_max(d[s], d[s] * w[s]) for s in range(n_states)))
         assert ref > 0
-        for k in (0.0, 99.0 / n_states):  # the penalty is ~k delta^2 here: the LP optimum is the yardstick
+        # the LP optimum (k = 0) bounds f from above for any k; at its maximiser U, V <= 4e-9 |B| |W|max, so the
+        # penalty there is below k (4e-9 |B|)^2 * 16: the lower bound for k > 0
+        for k in (0.0, 99.0 / n_states):
             lam = brpo.solve_confidence(d, w, k)
             assert_feasible(lam, d)
             f = objective(lam, d, w, k)
             assert f <= ref * (1 + 1e-9)
             assert f >= ref * (1 - 1e-4) - k * (2 * 2e-9) ** 2 * n_states ** 2 * 16, (i, k, f, ref)
+
+
+# ---------------------------------------------------------------------------------------------
 # Lower bound (SAA) and MM properties
 # ---------------------------------------------------------------------------------------------
 def t64(x):
