@@ -281,7 +281,7 @@ TAU_MIN = 1e-200  # smallest temperature (see temperature())
 UNIT_RATE = 0.01  # running-average rate of the advantage unit (about the last 100 updates)
 UNIT_MIN = 1e-8  # floor of the advantage unit: a constant critic (all gaps 0) must not divide by 0
 BETA_MIN = 1e-12  # floor of beta in the pessimism term (beta = 0 actions get rho = 0 from log beta anyway)
-D_ZERO = 1e-12  # |rho - beta| below this is float noise of two distributions that agree (sum to 1 in float64)
+D_ZERO = 1e-12  # |rho - beta| below this is rounding noise of two distributions that agree (probabilities <= 1)
 SNAP = 1e-12  # solver: a vertex coordinate within SNAP of 0 is rounding noise (enumerate_vertices)
 TINY = 1e-300  # floor of denominators that are positive up to underflow
 
@@ -793,7 +793,10 @@ def solve_confidence(d, w, k, n_rays=4, refine_rays=(0.0, -0.03, 0.03, -0.1, 0.1
     fixed-point angle of the best point found."""
     d = np.asarray(d, dtype=np.float64)
     w = np.minimum(np.maximum(np.asarray(w, dtype=np.float64), -W_CLAMP), W_CLAMP)
-    d = np.where(np.abs(d) > D_ZERO, d, 0.0)
+    # rounding noise relative to the minibatch's largest move, not absolute: f(lambda; s d, W, k / s) = s f(lambda;
+    # d, W, k), so the maximiser does not depend on the scale of d, and with an absolute 1e-12 the solver returned
+    # lambda = 0 for a minibatch whose moves were all ~1e-13 (tests/test_brpo.py::test_solver_is_scale_free)
+    d = np.where(np.abs(d) > D_ZERO * np.abs(d).max(initial=0.0), d, 0.0)
     c = d * w
     u = np.abs(d)
     v = u * np.abs(w)

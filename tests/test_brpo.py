@@ -365,6 +365,27 @@ def test_solver_tiny_coordinates(brpo):
             assert f >= ref * (1 - 1e-4) - k * (2 * 2e-9) ** 2 * n_states ** 2 * 16, (i, k, f, ref)
 
 
+def test_solver_is_scale_free(brpo):
+    """f(lambda; s d, W, k / s) = s f(lambda; d, W, k): the confidence problem has the same maximiser whatever
+    the scale of d = rho - beta, and so must the solver (an absolute rounding threshold of 1e-12 on |d| once
+    returned lambda = 0 for every minibatch whose moves were all ~1e-13, as when beta takes an action with
+    probability ~1e-12)."""
+    rng = np.random.default_rng(21)
+    for i in range(60):
+        d, w, k = random_instance(rng, int(rng.integers(1, 9)), int(rng.integers(2, 5)), KINDS[i % len(KINDS)])
+        f1 = objective(brpo.solve_confidence(d, w, k), d, w, k)
+        for s in (1e-13, 1e-40, 1e-150):
+            lam = brpo.solve_confidence(s * d, w, k / s)
+            assert lam.min() >= 0.0 and lam.max() <= 1.0
+            assert np.abs((lam * d).sum(1)).max() <= 1e-9 * np.abs(d).max()
+            assert objective(lam, s * d, w, k / s) / s == pytest.approx(f1, rel=1e-9, abs=1e-15), (i, s)
+    # rounding noise next to real moves is still not a move: rho = beta up to 1e-17 at state 1, where the
+    # critic's large W would otherwise pull lambda to a vertex
+    d = np.array([[0.3, -0.3, 0.0], [1e-17, -1e-17, 0.0]])
+    lam = brpo.solve_confidence(d, np.array([[1.0, 0.0, 0.0], [0.0, 5.0, 0.0]]), 0.0)
+    assert lam[0, 0] == lam[0, 1] == 1.0 and np.all(lam[1] == lam[1, 0])
+
+
 # ---------------------------------------------------------------------------------------------
 # Lower bound (SAA) and MM properties
 # ---------------------------------------------------------------------------------------------
