@@ -247,14 +247,17 @@ def build_report(root: Path, runs: list[Run], skipped, expected_seeds: int | Non
             behavior[(run.env_id, round(run.epsilon, 6))].append(run.behavior_return)
 
     lines: list[str] = []
-    summary = {a: {"rows": 0, "top2": 0, "ge_behavior": 0, "paper_top2": 0, "paper_ge_behavior": 0}
+    summary = {a: {"rows": 0, "ranked": 0, "top2": 0, "ge_behavior": 0, "paper_top2": 0, "paper_ge_behavior": 0}
                for a in shown}
     header = ["Task-ε"] + [LABELS[a] for a in shown] + ["Behavior"]
     lines.append("| " + " | ".join(header) + " |")
     lines.append("|" + "---|" * len(header))
     for env, eps in rows:
         means = {a: cells[(env, eps, a)].selected.stats[0] for a in shown if (env, eps, a) in cells}
-        best = top2(means) if rank else set()
+        # a row is ranked only when every shown column has a result in it: top-2 among the columns that
+        # happen to have finished (a partial grid) would bold whatever ran first
+        ranked = rank and len(means) == len(shown)
+        best = top2(means) if ranked else set()
         beh_values = behavior.get((env, eps), [])
         beh = sum(beh_values) / len(beh_values) if beh_values else None
         paper_beh = paper.get((env, eps, "Behavior"), (None,))[0]
@@ -277,10 +280,11 @@ def build_report(root: Path, runs: list[Run], skipped, expected_seeds: int | Non
                 text += f" n={n}/{n_expected}"
             cells_text.append(text + paper_txt)
             summary[a]["rows"] += 1
+            summary[a]["ranked"] += ranked
             summary[a]["top2"] += a in best
             if beh is not None and m >= beh:
                 summary[a]["ge_behavior"] += 1
-            summary[a]["paper_top2"] += a in paper_best
+            summary[a]["paper_top2"] += ranked and a in paper_best
             if a in paper_means and paper_beh is not None and paper_means[a] >= paper_beh:
                 summary[a]["paper_ge_behavior"] += 1
         if beh is None:
@@ -321,9 +325,11 @@ def build_report(root: Path, runs: list[Run], skipped, expected_seeds: int | Non
         "Each run's score is its `final_score` (mean of the last 10 evaluations, the paper's sliding window of 10; "
         "each evaluation averages its evaluation episodes). Cells: mean ± **sample** standard deviation "
         "(ddof=1) over seeds (the paper does not say which it used); no ± when only one seed. "
-        + ("Bold: top-2 of the row among the seven algorithms (ties included). " if len(shown) == len(ALGO_ORDER) else
+        + ("Bold: top-2 of the row among the seven algorithms (ties included), in rows where all seven have a "
+           "result. " if len(shown) == len(ALGO_ORDER) else
            f"Only {', '.join(LABELS[a] for a in shown)} shown (`--algos`); "
-           + ("bold: top-2 of the row among them (ties included). " if rank else "no top-2 marks. "))
+           + ("bold: top-2 of the row among them (ties included), in rows where all of them have a result. "
+              if rank else "no top-2 marks. "))
         + "`n=k/N`: only k of N seeds finished; "
         "`—`: no finished run. In parentheses: the paper's value. The paper's LunarLander-v2 rows are "
         "compared with our LunarLander-v3. Behavior: the dataset's measured ε-greedy behaviour return "
@@ -351,15 +357,16 @@ def build_report(root: Path, runs: list[Run], skipped, expected_seeds: int | Non
 
     # summary ----------------------------------------------------------------------------------
     body += ["", "## Summary", "",
-             "How often each algorithm is among the top-2 of a row, and how often its mean is at or above the "
-             "behaviour policy, over the rows it has results for (paper: same rows, paper's numbers"
-             + ("" if len(shown) == len(ALGO_ORDER) else "; the paper's top-2 is among all seven algorithms") + ").", "",
-             "| Algorithm | Rows | Top-2 | Top-2 (paper) | ≥ Behavior | ≥ Behavior (paper) |",
-             "|---|---|---|---|---|---|"]
+             "How often each algorithm's mean is at or above the behaviour policy, over the rows it has results "
+             "for (Rows), and how often it is among the top-2 of a row, over the rows where every column has a "
+             "result (Ranked); the paper's columns count the same rows with the paper's numbers"
+             + ("" if len(shown) == len(ALGO_ORDER) else "; the paper's top-2 is among all seven algorithms") + ".", "",
+             "| Algorithm | Rows | ≥ Behavior | ≥ Behavior (paper) | Ranked | Top-2 | Top-2 (paper) |",
+             "|---|---|---|---|---|---|---|"]
     for a in shown:
         s = summary[a]
-        body.append(f"| {LABELS[a]} | {s['rows']} | {s['top2'] if rank else '—'} | {s['paper_top2']} | "
-                    f"{s['ge_behavior']} | {s['paper_ge_behavior']} |")
+        body.append(f"| {LABELS[a]} | {s['rows']} | {s['ge_behavior']} | {s['paper_ge_behavior']} | "
+                    + (f"{s['ranked']} | {s['top2']} | {s['paper_top2']} |" if rank else "— | — | — |"))
     if warnings or skipped:
         body += ["", "## Warnings", ""]
         body += [f"- {w}" for w in warnings]

@@ -366,7 +366,7 @@ def table_row(text, label):
 def test_aggregate_table_stats_top2_missing(tmp_path, capsys):
     res = tmp_path / "res"
     scores = {"dqn": [10, 20, 30], "brpo_c": [40, 50, 60], "brpo": [100, 110, 120], "bcq": [0, 0, 0],
-              "klq": [70, 80], "spibb": [5]}  # bc missing entirely, klq/spibb partial
+              "klq": [70, 80], "spibb": [5], "bc": [-5]}  # klq/spibb/bc partial
     for algo, vals in scores.items():
         for seed, v in enumerate(vals, start=1):
             write_result(res, "Acrobot-v1", 0.15, algo, seed, float(v), behavior=-114.0)
@@ -386,30 +386,32 @@ def test_aggregate_table_stats_top2_missing(tmp_path, capsys):
     assert cell["BRPO"] == "**110.0 ± 10.0** (paper -86.1)"
     assert cell["KL-Q"] == f"**75.0 ± {math.sqrt(50):.1f}** n=2/3 (paper -92.1)"
     assert cell["SPIBB"] == "5.0 n=1/3 (paper -91.1)"
-    assert cell["BC"] == "— n=0/3 (paper -113.1)"
+    assert cell["BC"] == "-5.0 n=1/3 (paper -113.1)"
     assert cell["BCQ"] == "0.0 ± 0.0 (paper -97.1)"
     assert cell["Behavior"] == "-114.0 (paper -114.3)"
     assert sum("**" in c for c in cols) == 2
     ll = dict(zip(labels + ["Behavior"], table_row(text, "LunarLander-v3-0.50")))
-    assert ll["BRPO"] == "**102.0 ± 1.0** (paper 101.0)" and ll["Behavior"] == "-36.0 (paper -36.0)"
-    assert "n=0/3" in ll["DQN"]
+    # a row where some columns have no result is not ranked: BRPO alone is not "top-2"
+    assert ll["BRPO"] == "102.0 ± 1.0 (paper 101.0)" and ll["Behavior"] == "-36.0 (paper -36.0)"
+    assert "n=0/3" in ll["DQN"] and "**" not in table_row(text, "LunarLander-v3-0.50")
     assert "sample** standard deviation (ddof=1)" in text
     assert "total_steps = 12000" in text and "eval_episodes = 40" in text and "seeds = 1, 2, 3" in text
     assert "1 invalid/unfinished skipped" in text and "junk" in text
     assert "CartPole-v1-0.05" in text  # paper rows without results are listed
     summary = {line.split("|")[1].strip(): [c.strip() for c in line.strip("|").split("|")]
                for line in text.split("## Summary")[1].splitlines() if line.startswith("| ") and "Algorithm" not in line}
-    assert summary["BRPO"][1:4] == ["2", "2", "2"]  # rows, top-2 (ours), top-2 (paper, same rows)
-    assert summary["BRPO"][4] == "2"                # at or above behaviour in both rows
-    assert summary["BC"][1] == "0"
+    # rows, >= behaviour (ours, paper), ranked rows, top-2 (ours, paper on the same rows)
+    assert summary["BRPO"][1:7] == ["2", "2", "2", "1", "1", "1"]
+    assert summary["BC"][1:7] == ["1", "1", "1", "1", "0", "0"]
+    assert summary["DQN"][1:7] == ["1", "1", "1", "1", "0", "1"]
     for env in ("Acrobot-v1", "LunarLander-v3"):
         png = res / "report" / f"curves_{env}.png"
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert not list((res / "report").glob(".*tmp*"))
     rows = list(csv.DictReader(open(res / "report" / "configs.csv")))
-    assert {r["algorithm"] for r in rows} == {"DQN", "BRPO-C", "BRPO", "BCQ", "KL-Q", "SPIBB"}
+    assert {r["algorithm"] for r in rows} == {"DQN", "BRPO-C", "BRPO", "BCQ", "KL-Q", "SPIBB", "BC"}
     runs = list(csv.DictReader(open(res / "report" / "runs.csv")))
-    assert len(runs) == 3 + 3 + 3 + 3 + 2 + 1 + 3  # one row per valid result file
+    assert len(runs) == 3 + 3 + 3 + 3 + 2 + 1 + 1 + 3  # one row per valid result file
     ll = [r for r in runs if r["env_id"] == "LunarLander-v3"]
     assert [(r["seed"], float(r["score_minus_behavior"]), r["mean_lambda"]) for r in ll] == \
         [("1", 137.0, "0.25"), ("2", 138.0, "0.5"), ("3", 139.0, "0.75")]
@@ -454,7 +456,7 @@ def test_aggregate_algos_restricts_the_columns(tmp_path, capsys):
     assert "no top-2 marks" in text  # top-2 of two columns would mark both
     summary = {line.split("|")[1].strip(): [c.strip() for c in line.strip("|").split("|")]
                for line in text.split("## Summary")[1].splitlines() if line.startswith("| ") and "Algorithm" not in line}
-    assert set(summary) == {"BRPO-C", "BRPO"} and summary["BRPO"][4] == "1" and summary["BRPO-C"][4] == "0"
+    assert set(summary) == {"BRPO-C", "BRPO"} and summary["BRPO"][2] == "1" and summary["BRPO-C"][2] == "0"
     # three columns: top-2 among them (BC's 10 is not marked, DQN's 99 and BRPO's 60 are)
     assert aggregate.main([str(res), "--out", str(tmp_path / "rep3"), "--no-plots", "--algos", "brpo", "dqn", "bc"]) == 0
     row = table_row((tmp_path / "rep3" / "table1.md").read_text(), "CartPole-v1-0.15")
