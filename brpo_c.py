@@ -4,7 +4,7 @@ The residual policy pi(a|s) = (1 - lam) beta(a|s) + lam rho(a|s) with a constant
 grid 0.25 .. 0.75, final 0.5): a constant confidence always satisfies sum_a lam (rho - beta) = 0, so
 there is no confidence solver, no confidence network and no projection layer. Everything else is
 brpo.py line for line (`diff brpo.py brpo_c.py` shows only the confidence): rho is the relative
-softmax with lambda = lam (eq. relative_soft, same temperature remedy and pessimism), the critic and W are the
+softmax with lambda = lam (eq. relative_soft, same temperature remedy), the critic and W are the
 mu-mixed ones of Algorithm 1. One gradient update:
   1. sample a minibatch; 2. one critic step towards r + gamma V(s'), V = (1-mu) E_beta Q' + mu max Q';
   3. soft target update. rho (and so pi) follows the critic at every state through W = Q - V.
@@ -55,16 +55,13 @@ FORMAT_VERSION = 1
 #   returns at eps = 0.05 (CartPole 9 .. 135 vs behaviour 249). Keeping the paper's state-dependent kappa(s)
 #   at a usable scale (--kappa-max inf --kappa-scale 0.02) is safe on near-deterministic data but gives up most
 #   of the gains where the data are rich (CartPole eps = 1, 100k updates: 25 against 115, behaviour 22).
-# * pessimism = 1: the candidate maximises a lower confidence bound on its gain instead of the gain itself:
-#   moving probability to or from action a costs h(s, a) = 1 / sqrt(beta(a|s)) - min_b 1 / sqrt(beta(b|s))
-#   advantage units (our departure, see candidate()). Without any pessimism, on near-deterministic CartPole
-#   data the mu = 0.9 critic claims large advantages for actions the behaviour policy rarely takes in states
-#   the batch covers thinly (near the track's edge: +2.8 units for the push that drives the cart out), rho
-#   follows, and BRPO ended below the behaviour policy at 100k updates (CartPole eps 0.05, seeds 1-2: 258 and
-#   221 against 248 for the behaviour policy on the same start states). An earlier, one-sided form (W lowered
-#   by 1 / sqrt(beta) in the plain softmax) fixed that but also moved beta's exploration mass to its most
-#   frequent action wherever the critic was unsure, and lost 7 points on LunarLander eps 0.05 (71.0 against
-#   78.0, 5 seeds). {SYM_NUMBERS}
+# * pessimism = 1: inside the candidate, W(s, a) is lowered by pessimism / sqrt(beta(a|s)) advantage units (our
+#   departure, see candidate()). Without it, on near-deterministic CartPole data the mu = 0.9 critic claims
+#   large advantages for actions the behaviour policy rarely takes in states the batch covers thinly (near the
+#   track's edge: +2.8 units for the push that drives the cart out), rho follows, and BRPO ended below the
+#   behaviour policy at 100k updates (CartPole eps 0.05, seeds 1-2: 258 and 221 against 248 for the behaviour
+#   policy on the same start states). With it: 248 and 246; elsewhere the gains stay (CartPole eps = 1: 116,
+#   eps = 0.5: 237 against 123; Acrobot eps = 0.5: -125 against -186; LunarLander eps = 0.5: 25 against -27).
 KAPPA_MAX_DEFAULT = 0.02
 PESSIMISM_DEFAULT = 1.0
 
@@ -122,8 +119,7 @@ class Args:
     kappa_scale: float = 1.0
     """constant factor on kappa (ours): with --kappa-max inf, the paper's state-dependent kappa(s) at a usable scale"""
     pessimism: float = PESSIMISM_DEFAULT
-    """the candidate maximises a lower confidence bound: moving probability to or from a costs pessimism *
-    (1/sqrt(beta(a|s)) - min_b 1/sqrt(beta(b|s))) advantage units (ours; 0 = the paper)"""
+    """in the candidate policy, lower W(s,a) by pessimism / sqrt(beta(a|s)) advantage units (ours; 0 = the paper)"""
     advantage_unit: bool = True
     """in the relative softmax, measure W in units of the critic's mean action gap (running average) so that the
     temperature means the same on every task (departure from the paper; --no-advantage-unit: raw W)"""
@@ -258,7 +254,7 @@ W_CLAMP = 1e100  # |W| cap before squaring in kappa: W^2 must stay finite in flo
 TAU_MIN = 1e-200  # smallest temperature (see temperature())
 UNIT_RATE = 0.01  # running-average rate of the advantage unit (about the last 100 updates)
 UNIT_MIN = 1e-8  # floor of the advantage unit: a constant critic (all gaps 0) must not divide by 0
-TINY = 1e-300  # floor of denominators that are positive up to underflow
+BETA_MIN = 1e-12  # floor of beta in the pessimism term (beta = 0 actions get rho = 0 from log beta anyway)
 
 
 def row_sum(x: np.ndarray) -> np.ndarray:
@@ -334,61 +330,15 @@ def temperature(beta, lam, w, gamma, kappa_scale, kappa_max, kappa_decay, k, log
     return np.maximum(gamma * kap * (kappa_scale * kappa_decay**k) / (2.0 - 2.0 * gamma), TAU_MIN)
 
 
-def candidate_policy(beta, lam, w, tau, h=None, log_beta=None):
-    """The candidate rho(.|s) = argmax over distributions rho of
-        sum_a lambda(s,a) [(rho_a - beta_a) W(s,a) - h(s,a) |rho_a - beta_a|] - tau(s) KL(rho || beta).
-    h = 0 (or None): the paper's relative softmax rho ∝ beta exp(lambda W / tau) (eq. relative_soft, whose
-    Lagrangian this is), computed as a softmax of log beta + lambda W / tau. h > 0 (our departure, see
-    candidate()): lambda W is replaced by a lower confidence bound on the gain of moving mass, which costs h per
-    unit moved in either direction; lcb_softmax solves it exactly. beta = 0 gives rho = 0 exactly; huge
-    advantages or a tiny temperature give a (near) one-hot rho, never inf/NaN. float64 numpy (no gradient
-    flows through rho: coordinate ascent holds rho fixed while lambda is fitted)."""
+def candidate_policy(beta, lam, w, tau, log_beta=None):
+    """Relative softmax rho(a|s) ∝ beta(a|s) exp(lambda(s,a) W(s,a) / tau(s)) (paper eq. relative_soft), as a
+    softmax of log beta + lambda W / tau: beta = 0 gives rho = 0 exactly; huge advantages or a tiny
+    temperature give a (near) one-hot rho, never inf/NaN. float64 numpy (no gradient flows through rho:
+    coordinate ascent holds rho fixed while lambda is fitted)."""
     w = clip(w, -W_CLAMP, W_CLAMP)
-    log_beta = log_probs(beta) if log_beta is None else log_beta
-    inv_tau = 1.0 / tau[:, None]
-    if h is not None:
-        return lcb_softmax(log_beta, lam * w * inv_tau, lam * h * inv_tau)
-    logits = log_beta + lam * w * inv_tau
+    logits = (log_probs(beta) if log_beta is None else log_beta) + lam * w / tau[:, None]
     e = np.exp(logits - row_max(logits)[:, None])
     return e / row_sum(e)[:, None]
-
-
-def lcb_softmax(log_beta, c, t):
-    """argmax_rho sum_a c_a (rho_a - beta_a) - t_a |rho_a - beta_a| - KL(rho || beta) over distributions rho
-    (t >= 0, |c|, t <= ~1e300), exactly. Stationarity of the Lagrangian (multiplier nu of sum rho = 1) gives
-    log(rho_a / beta_a) = S_{t_a}(c_a - nu), S the soft threshold: x_a(nu) = max(up_a - nu, 0) + min(lo_a - nu, 0)
-    with up = c - t, lo = c + t; an action inside its dead zone up_a <= nu <= lo_a keeps rho_a = beta_a (moving
-    it gains less than it costs). f(nu) = sum_a beta_a exp(x_a(nu)) is continuous, non-increasing, from +inf
-    to 0, so f(nu) = 1 has a root; between consecutive breakpoints (all up_a, lo_a) f = K0 + K1 exp(-nu) with
-    K0 the beta-mass of the actions in their dead zone and K1 = sum over the others of beta_a exp(up_a or lo_a),
-    so nu = log K1 - log(1 - K0) in closed form once the segment is known: the segment is bracketed by the
-    largest breakpoint with f > 1 and the smallest with f <= 1. Computed with the batch on the fast axis ((|A|,
-    B) arrays: numpy's inner loops run over the batch, not over a handful of actions). Actions with beta = 0
-    (log beta = -inf) add 0 to every sum whatever their c, t; their breakpoints only split a segment in two.
-    Tested against a numeric maximiser (tests/test_brpo.py)."""
-    lb, c, t = np.ascontiguousarray(log_beta.T), np.ascontiguousarray(c.T), np.ascontiguousarray(t.T)
-    up = c - t
-    lo = c + t
-    bp = np.concatenate([up, lo], 0)  # (2|A|, B)
-    x = up[:, None, :] - bp  # x_a at every breakpoint: (|A|, 2|A|, B)
-    y = lo[:, None, :] - bp
-    np.maximum(x, 0.0, out=x)
-    np.minimum(y, 0.0, out=y)
-    x += y
-    x += lb[:, None, :]
-    with np.errstate(over="ignore"):  # f = inf far left of the root is still "> 1"
-        np.exp(x, out=x)
-    above = x.sum(0) > 1.0  # f(breakpoint) > 1: the root lies to its right
-    left = np.where(above, bp, -np.inf).max(0)  # the root's segment (left, right]
-    right = np.where(above, np.inf, bp).min(0)
-    up_side = up >= right  # rho_a > beta_a on the whole segment
-    moved = up_side | (lo <= left)  # the others are in their dead zone there
-    k0 = np.where(moved, 0.0, np.exp(lb)).sum(0)
-    z = np.where(moved, lb + np.where(up_side, up, lo), -np.inf)  # log of K1's terms; some is finite at the root
-    m = z.max(0)
-    nu = m + np.log(np.exp(z - m).sum(0)) - np.log(np.maximum(1.0 - k0, TINY))
-    rho = np.exp(lb + np.maximum(up - nu, 0.0) + np.minimum(lo - nu, 0.0))  # <= 1 up to rounding
-    return (rho / rho.sum(0)).T
 
 
 def residual_policy(beta, rho, lam):
@@ -499,40 +449,31 @@ def advantage_unit(q: np.ndarray, q_max: Optional[np.ndarray] = None) -> float:
     return float(gap.sum() / gap.shape[0])  # = gap.mean() bit for bit (the same pairwise sum), with less call overhead
 
 
-def excess_uncertainty(beta: np.ndarray, pessimism: float) -> np.ndarray:
-    """h(s,a) = pessimism * (1 / sqrt(beta(a|s)) - min_{b: beta(b|s) > 0} 1 / sqrt(beta(b|s))): how much less the
-    batch has seen a at s than the state's best-covered action, in advantage units; 0 at that action, on
-    uniform data (eps = 1) and where beta = 0 (rho = beta = 0 there anyway). Capped at W_CLAMP (finite)."""
-    pos = beta > 0
-    inv = 1.0 / np.sqrt(np.where(pos, beta, 1.0))
-    base = np.where(pos, inv, np.inf).min(-1, keepdims=True)
-    return np.where(pos, np.minimum(pessimism * (inv - base), W_CLAMP), 0.0)
+def sqrt_floored(beta: np.ndarray) -> np.ndarray:
+    """sqrt(beta) floored at sqrt(BETA_MIN): the pessimism term's denominator, finite where beta = 0."""
+    return np.sqrt(np.maximum(beta, BETA_MIN))
 
 
-def candidate(beta, lam_tilde, w, args, n_updates, unit, log_beta=None, h=None):
-    """rho from the current confidence (coordinate ascent, Sec. 5): tau from kappa, then the relative softmax
-    made pessimistic. Takes and returns float64 numpy arrays (h: excess_uncertainty(beta), precomputed).
+def candidate(beta, lam_tilde, w, args, n_updates, unit, log_beta=None, sqrt_beta=None):
+    """rho from the current confidence (coordinate ascent, Sec. 5): tau from kappa, then relative softmax of a
+    pessimistic W. Takes and returns float64 numpy arrays.
 
     Pessimism (--pessimism, our departure): the critic's error at (s, a) shrinks like 1 / sqrt(n(s, a)), and in
-    a batch drawn from beta, n(s, a) is proportional to beta(a|s) times the visits of s. The relative softmax is
-    the maximiser of lambda-weighted gain sum_a lambda (rho - beta) W minus tau KL(rho || beta) (Sec. 5); we
-    maximise instead a lower confidence bound on that gain, sum_a lambda [(rho - beta) W - h |rho - beta|]: every
-    unit of probability moved to OR from an action costs that action's excess uncertainty h (candidate_policy).
-    The candidate follows the critic only as far as the batch has seen the actions involved: on
-    near-deterministic data (eps = 0.05, |A| = 2) the rare action's h is ~5.3 units, so rho moves neither
-    towards it unless the critic claims it ~5 units better, nor away from it unless claimed ~5 units worse -
-    beta's own exploration is kept where the critic cannot judge it. On uniform data h = 0: the paper's
-    softmax. This is what BRPO's confidence is meant to do ("exploit where the batch covers, stay where it does
-    not"), but the paper's lambda-bar* sees W and not coverage, and W is wrong exactly where coverage is thin
-    (see KAPPA_MAX_DEFAULT's measurements)."""
+    a batch drawn from beta, n(s, a) is proportional to beta(a|s) times the visits of s. So W(s, a) -
+    pessimism / sqrt(beta(a|s)) is, up to a per-state constant, a lower confidence bound on the advantage, and
+    the candidate follows the critic to an action only as far as the batch has seen that action there. On
+    uniform data (eps = 1) the correction is the same for every action of a state and changes nothing; on
+    near-deterministic data (eps = 0.05) an action taken 2.5% of the time must be claimed better than the
+    usual one by ~5 advantage units before rho moves towards it. This is what BRPO's confidence is meant to
+    do ("exploit where the batch covers, stay where it does not"), but the paper's lambda-bar* sees W and
+    not coverage, and W is wrong exactly where coverage is thin (see KAPPA_MAX_DEFAULT's measurements)."""
     log_beta = log_probs(beta) if log_beta is None else log_beta
     w = w / max(unit, UNIT_MIN) if args.advantage_unit else w
+    if args.pessimism > 0:  # beta = 0: rho = 0 there anyway (log beta = -inf); the floor only avoids 1 / 0
+        w = w - args.pessimism / (sqrt_floored(beta) if sqrt_beta is None else sqrt_beta)
     tau = temperature(beta, lam_tilde, w, args.gamma, args.kappa_scale, args.kappa_max, args.kappa_decay, n_updates,
                       log_beta)
-    if args.pessimism > 0:
-        h = excess_uncertainty(beta, args.pessimism) if h is None else h
-        return candidate_policy(beta, lam_tilde, w, tau, h, log_beta), tau
-    return candidate_policy(beta, lam_tilde, w, tau, None, log_beta), tau
+    return candidate_policy(beta, lam_tilde, w, tau, log_beta), tau
 
 
 def policy_probs(obs, beta, q_network, confidence, args, n_updates, unit):

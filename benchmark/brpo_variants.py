@@ -8,8 +8,7 @@ Variants (each a distribution over actions at every visited state, sampled; same
   beta        the behaviour policy
   greedy      beta's greedy action (epsilon = 0)
   lam-const   pi with the confidence network's output replaced by a constant (--lam, default 0.7)
-  w-zero      pi with W = 0 in the candidate (with the current, symmetric pessimism rho = beta, so pi = beta;
-              with the one-sided pessimism of earlier versions rho moved by the pessimism term alone)
+  w-zero      pi with W = 0 in the candidate: rho moves only by the pessimism term
   no-pess     pi with the pessimism term removed from the candidate (--pessimism 0 at deployment only)
   uniform     beta moved towards its greedy action by the same average amount as pi, at every state alike
 For diagnosis only: the variants are not methods (lam-const is BRPO-C's confidence on BRPO's networks).

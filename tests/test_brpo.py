@@ -474,156 +474,69 @@ def test_advantage_unit_makes_rho_scale_free(script):
     assert np.isfinite(rho0).all() and np.allclose(rho0.sum(1), 1.0)
 
 
-def lcb_objective(rho, beta, c, t):
-    """sum_a c_a (rho_a - beta_a) - t_a |rho_a - beta_a| - KL(rho || beta), rho = 0 wherever beta = 0."""
-    pos = beta > 0
-    kl = np.where(rho > 0, rho * np.log(np.where(rho > 0, rho, 1.0) / np.where(pos, beta, 1.0)), 0.0).sum(-1)
-    return (c * (rho - beta) - t * np.abs(rho - beta)).sum(-1) - kl
-
-
-def random_lcb_instances(rng, n_states):
-    n = int(rng.integers(2, 5))
-    beta = rng.dirichlet(np.ones(n) * rng.choice([0.3, 1.0, 5.0]), size=n_states)
-    beta[: n_states // 3, rng.integers(n)] = 0.0  # eps = 0 style zeros
-    beta /= beta.sum(1, keepdims=True)
-    beta[-1] = np.eye(n)[0]  # deterministic beta: rho = beta is the only distribution on its support
-    c = rng.normal(size=(n_states, n)) * rng.choice([0.05, 1.0, 20.0])
-    t = np.abs(rng.normal(size=(n_states, n))) * rng.choice([0.0, 0.5, 3.0])
-    c[0] = 0.0  # no advantage: rho = beta
-    return beta, c, t
-
-
-@pytest.mark.parametrize("script", ["brpo.py", "brpo_c.py"])
-def test_lcb_softmax_is_the_exact_maximiser(script):
-    """lcb_softmax against two references that do not use its segment search: the KKT conditions of the
-    concave problem (a certificate of global optimality: log(rho_a / beta_a) = S_{t_a}(c_a - nu) for one nu per
-    state, S the soft threshold, checked by recovering nu) and the objective at random distributions and at perturbations of rho,
-    none of which may be higher."""
-    mod = load_script(script)
-    rng = np.random.default_rng(11)
-    for _ in range(60):
-        beta, c, t = random_lcb_instances(rng, 12)
-        rho = mod.lcb_softmax(mod.log_probs(beta), c, t)
-        pos = beta > 0
-        assert np.isfinite(rho).all() and np.allclose(rho.sum(1), 1.0, atol=1e-12) and (rho[~pos] == 0).all()
-        assert np.allclose(rho[0], beta[0], atol=1e-14) and np.allclose(rho[-1], beta[-1], atol=1e-14)
-        x = np.log(np.where(pos, rho, 1.0) / np.where(pos, beta, 1.0))
-        for s in range(beta.shape[0]):
-            up, lo = c[s] - t[s], c[s] + t[s]
-            moved = pos[s] & (np.abs(x[s]) > 1e-9)
-            nus = np.where(x[s] > 0, up - x[s], lo - x[s])[moved]  # each moved action determines nu
-            if nus.size:
-                nu = nus.mean()
-                assert np.allclose(nus, nu, atol=1e-7 * (1.0 + np.abs(c[s]).max()))
-                stay = pos[s] & ~moved
-                assert (up[stay] <= nu + 1e-7 * (1 + abs(nu))).all() and (lo[stay] >= nu - 1e-7 * (1 + abs(nu))).all()
-            else:  # rho = beta: some nu lies in every dead zone (max_a up_a <= min_a lo_a)
-                assert up[pos[s]].max() <= lo[pos[s]].min() + 1e-7
-        best = lcb_objective(rho, beta, c, t)
-        for _ in range(50):
-            other = np.where(pos, rng.dirichlet(np.ones(beta.shape[1]), size=beta.shape[0]), 0.0)
-            other /= other.sum(1, keepdims=True)
-            assert (lcb_objective(other, beta, c, t) <= best + 1e-12).all()
-            near = np.where(pos, rho * np.exp(1e-3 * rng.normal(size=rho.shape)), 0.0)
-            near /= near.sum(1, keepdims=True)
-            assert (lcb_objective(near, beta, c, t) <= best + 1e-12).all()
-
-
-@pytest.mark.parametrize("script", ["brpo.py", "brpo_c.py"])
-def test_lcb_softmax_special_cases(script):
-    """t = 0: the paper's relative softmax; c = 0: rho = beta; a dead zone wider than |c|: rho = beta; huge
-    inputs: a distribution, never NaN / inf, and no overflow / invalid / division warning."""
-    mod = load_script(script)
-    rng = np.random.default_rng(12)
-    beta = rng.dirichlet(np.ones(4), size=40)
-    beta[:8, 2] = 0.0
-    beta /= beta.sum(1, keepdims=True)
-    lb, c = mod.log_probs(beta), rng.normal(size=(40, 4)) * 3.0
-    ref = beta * np.exp(c)
-    assert np.allclose(mod.lcb_softmax(lb, c, np.zeros_like(c)), ref / ref.sum(1, keepdims=True), atol=1e-13)
-    assert np.allclose(mod.lcb_softmax(lb, np.zeros_like(c), np.abs(c)), beta, atol=1e-15)
-    assert np.allclose(mod.lcb_softmax(lb, c, np.abs(c).max(1, keepdims=True) * 2.0 + 1e-9), beta, atol=1e-15)
-    with np.errstate(over="raise", invalid="raise", divide="raise"):  # underflow to 0 is harmless
-        for scale in (1e-6, 1.0, 1e3, 1e100, 1e299):
-            rho = mod.lcb_softmax(lb, c * scale, np.abs(rng.normal(size=c.shape)) * scale)
-            assert np.isfinite(rho).all() and np.allclose(rho.sum(1), 1.0) and (rho[beta == 0] == 0).all()
-
-
 @pytest.mark.parametrize("script", ["brpo.py", "brpo_c.py"])
 def test_pessimism(script):
-    """The pessimistic candidate: the exact LCB maximiser with h = excess_uncertainty in advantage units; the
-    paper's relative softmax at pessimism 0 and on uniform beta (h = 0); h is 0 at each state's best-covered
-    action and where beta = 0, finite everywhere; mass moves neither to nor from a rare action unless the
-    critic's claim beats h."""
+    """W(s,a) - c / sqrt(beta(a|s)) inside the relative softmax: exactly that formula; no effect where beta is
+    uniform and lambda constant; less mass on rarely taken actions than without it, never NaN with beta = 0."""
     mod = load_script(script)
     rng = np.random.default_rng(8)
     beta = rng.dirichlet(np.ones(3) * 0.5, size=30)
     beta[:6, 2] = 0.0
     beta /= beta.sum(1, keepdims=True)
     w, lam = 3.0 * rng.normal(size=(30, 3)), rng.random((30, 3))
-    h = mod.excess_uncertainty(beta, 2.0)
+    off, on = mod.Args(pessimism=0.0), mod.Args(pessimism=1.0)
+    rho_off, tau = mod.candidate(beta, lam, w, off, 0, 1.0)
+    rho_on, _ = mod.candidate(beta, lam, w, on, 0, 1.0)
     pos = beta > 0
-    inv = 1.0 / np.sqrt(np.where(pos, beta, 1.0))
-    assert np.allclose(h, np.where(pos, 2.0 * (inv - np.where(pos, inv, np.inf).min(1, keepdims=True)), 0.0))
-    assert (h >= 0).all() and (h[np.arange(30), beta.argmax(1)] == 0).all() and (h[~pos] == 0).all()
-    assert np.isfinite(mod.excess_uncertainty(np.eye(3)[[0, 1]] * (1 - 1e-300) + 1e-300 / 3, 1e6)).all()
-    off, on = mod.Args(pessimism=0.0), mod.Args(pessimism=2.0)
-    rho_off, tau = mod.candidate(beta, lam, w, off, 0, 0.5)
-    rho_on, _ = mod.candidate(beta, lam, w, on, 0, 0.5)
-    ref = mod.lcb_softmax(mod.log_probs(beta), lam * (w / 0.5) / tau[:, None], lam * h / tau[:, None])
-    assert np.allclose(rho_on, ref, atol=1e-15) and not np.allclose(rho_on, rho_off)
-    soft = beta * np.exp(lam * (w / 0.5) / tau[:, None])
-    assert np.allclose(rho_off, soft / soft.sum(1, keepdims=True), atol=1e-12)
+    ref = np.where(pos, beta * np.exp(lam * (w - 1.0 / np.sqrt(np.where(pos, beta, 1.0))) / tau[:, None]), 0.0)
+    assert np.allclose(rho_on, ref / ref.sum(1, keepdims=True), atol=1e-12)
+    assert np.isfinite(rho_on).all() and (rho_on[~pos] == 0).all() and np.allclose(rho_on.sum(1), 1.0)
+    # with a state-constant lambda the rarest action of each state never gains mass from the correction
+    lam1 = np.repeat(lam[:, :1], 3, 1)
+    rare = np.where(pos, beta, np.inf).argmin(1)
+    rows = np.arange(30)
+    assert (mod.candidate(beta, lam1, w, on, 0, 1.0)[0][rows, rare] <= mod.candidate(beta, lam1, w, off, 0, 1.0)[0][rows, rare] + 1e-12).all()
+    # uniform beta and a state-constant lambda: the correction is a constant per state, rho is unchanged
     uni = np.full((30, 3), 1.0 / 3.0)
-    assert np.allclose(mod.candidate(uni, lam, w, on, 0, 0.5)[0], mod.candidate(uni, lam, w, off, 0, 0.5)[0], atol=1e-12)
-    # beta = (0.975, 0.025): the rare action's h is 1/sqrt(0.025) - 1/sqrt(0.975) = 5.31 units (pessimism 1)
-    beta2 = np.tile([0.975, 0.025], (4, 1))
-    w2 = np.array([[0.0, 5.0], [0.0, -5.0], [0.0, 6.0], [0.0, -6.0]])  # claims within / beyond h, both signs
-    rho2, _ = mod.candidate(beta2, np.ones((4, 2)), w2, mod.Args(), 0, 1.0)
-    assert np.allclose(rho2[:2], beta2[:2], atol=1e-15)  # kept: beta's exploration survives a claim < h
-    assert rho2[2, 1] > 0.025 and rho2[3, 1] < 0.025  # moved: the claim beats h
+    assert np.allclose(mod.candidate(uni, lam1, w, on, 0, 1.0)[0], mod.candidate(uni, lam1, w, off, 0, 1.0)[0], atol=1e-12)
 
 
 def test_solver_advantage(brpo):
-    """lambda-bar* sees A = W - unit sign(rho - beta) h, so that (rho - beta) A = (rho - beta) W - unit h |rho -
-    beta| (the candidate's bound, in W's units): W itself at pessimism 0 and on uniform data; raw units with
-    --no-advantage-unit."""
+    """lambda-bar* sees W minus the candidate's pessimism term centred under beta: W itself at pessimism 0 and
+    on uniform data, an advantage (beta-mean unchanged), finite with beta = 0, in W's units."""
     rng = np.random.default_rng(9)
     beta = rng.dirichlet(np.ones(4) * 0.5, size=40)
     beta[:8, 3] = 0.0
     beta /= beta.sum(1, keepdims=True)
     w = 5.0 * rng.normal(size=(40, 4))
     on = brpo.Args(pessimism=1.0)
-    h = brpo.excess_uncertainty(beta, on.pessimism)
-    rho, _ = brpo.candidate(beta, rng.random((40, 4)), w, on, 0, 2.0)
-    d = rho - beta
-    assert np.array_equal(brpo.solver_advantage(w, d, h, brpo.Args(pessimism=0.0), 2.0), w)
-    got = brpo.solver_advantage(w, d, h, on, 2.0)
+    assert np.array_equal(brpo.solver_advantage(w, beta, brpo.Args(pessimism=0.0), 2.0), w)
+    got = brpo.solver_advantage(w, beta, on, 2.0)
     assert np.isfinite(got).all()
-    assert np.allclose(d * got, d * w - 2.0 * h * np.abs(d), atol=1e-12)
+    assert np.allclose((beta * got).sum(1), (beta * w).sum(1), atol=1e-9)
+    pos = beta[:, :3] > 0
+    inv = 1.0 / np.sqrt(beta[:, :3])
+    assert np.allclose(np.where(pos, got[:, :3] - w[:, :3], 0.0), np.where(pos, -2.0 * (inv - (beta * np.where(beta > 0, 1.0 / np.sqrt(np.where(beta > 0, beta, 1.0)), 0.0)).sum(1, keepdims=True)), 0.0))
     uni = np.full((40, 4), 0.25)
-    assert np.array_equal(brpo.solver_advantage(w, d, brpo.excess_uncertainty(uni, 1.0), on, 2.0), w)
+    assert np.allclose(brpo.solver_advantage(w, uni, on, 2.0), w, atol=1e-12)
+    # raw W (--no-advantage-unit): the correction is in raw units, the unit is ignored
     raw = brpo.Args(pessimism=1.0, advantage_unit=False)
-    assert np.allclose(brpo.solver_advantage(w, d, h, raw, 7.0), brpo.solver_advantage(w, d, h, on, 1.0))
+    assert np.allclose(brpo.solver_advantage(w, beta, raw, 7.0), brpo.solver_advantage(w, beta, on, 1.0))
 
 
-def test_pessimistic_candidate_and_solver_agree(brpo):
-    """beta = (0.875, 0.125): the rare action's h is 1.76 units. A claim of 0.5 units for it leaves rho = beta
-    (the one-sided pessimism of earlier versions instead moved mass away from the rare action, which the solver
-    then had to be corrected to keep). A claim of 3 units moves rho towards it, the move's lower confidence
-    bound (d . A, A = solver_advantage) is positive, and lambda-bar* keeps the move."""
+def test_solver_keeps_the_pessimistic_move(brpo):
+    """The case that made BRPO lose on CartPole eps = 0.25: two actions, beta = (0.875, 0.125), rho moved
+    towards the usual action by the pessimism term while the critic claims the rare one slightly better.
+    With W the solver refuses that move (lambda = 0: pi = beta); with solver_advantage it keeps it."""
     args = brpo.Args()
     beta = np.tile([0.875, 0.125], (8, 1))
-    h = brpo.excess_uncertainty(beta, args.pessimism)
-    small, _ = brpo.candidate(beta, np.ones((8, 2)), np.tile([-0.25, 0.25], (8, 1)), args, 0, 1.0)
-    assert np.allclose(small, beta, atol=1e-15)
-    w = np.tile([-1.5, 1.5], (8, 1))
+    w = np.tile([-0.3, 0.2], (8, 1))  # critic: rare action better by 0.5 units (less than the ~1.76 pessimism gap)
     rho, _ = brpo.candidate(beta, np.ones((8, 2)), w, args, 0, 1.0)
     d = rho - beta
-    a_eff = brpo.solver_advantage(w, d, h, args, 1.0)
-    assert (d[:, 1] > 0).all() and ((d * a_eff).sum(1) > 0).all()
+    assert (d[:, 0] > 0).all()  # rho moved towards the usual action
     k = brpo.penalty_weight(64, 0.99, 0.9) * 0.1
-    assert np.all(brpo.solve_confidence(d, a_eff, k) > 0.5)
+    assert np.all(brpo.solve_confidence(d, w, k) == 0.0)
+    assert np.all(brpo.solve_confidence(d, brpo.solver_advantage(w, beta, args, 1.0), k) > 0.5)
 
 
 def test_penalty_scale_zero_is_the_unpenalised_lp(brpo):
@@ -794,7 +707,7 @@ def test_evaluations_draw_fresh_sampling_noise(datasets, tmp_path):
 @pytest.mark.parametrize("script", ["brpo.py", "brpo_c.py"])
 def test_end_to_end_deterministic(script, datasets, tmp_path):
     # strong settings so that pi departs from beta and the sampling path is really exercised
-    extra = ["--kappa-max", "0.01", "--pessimism", "0.3", "--seed", "3"] + (["--save-model"] if script == "brpo.py" else [])
+    extra = ["--kappa-max", "0.01", "--seed", "3"] + (["--save-model"] if script == "brpo.py" else [])
     r1 = train(script, datasets[0.15], tmp_path, "a", *extra)
     r2 = train(script, datasets[0.15], tmp_path, "b", *extra)
     assert r1["evaluations"] == r2["evaluations"]
