@@ -10,7 +10,15 @@ cell -- a sweep -- the one with the highest mean final score is reported, as in 
 selection is listed. Cells show mean +- sample standard deviation (ddof=1) over seeds of final_score,
 the paper's value beside it; the top-2 algorithms of each row are bold.
 
-Outputs (written atomically): table1.md, configs.csv, curves_<env>.png (mean +- standard error over seeds).
+Outputs (written atomically): table1.md, configs.csv, runs.csv, curves_<env>.png (mean +- standard error over
+seeds).
+
+    python benchmark/aggregate.py benchmark/results/table1 --merge-runs benchmark/table1_result/runs.csv ...
+
+--merge-runs adds the runs listed in an earlier runs.csv (this script's own output) to those found on disk:
+a grid that outlives its result files (another machine, a cleaned checkout) keeps growing from its committed
+per-run table. A result.json for the same cell, configuration and seed replaces the listed row. Listed runs
+carry no learning curve (runs.csv has none).
 """
 from __future__ import annotations
 
@@ -120,6 +128,58 @@ def load_runs(root: Path) -> tuple[list[Run], list[tuple[Path, str]]]:
         else:
             run.group = "args:" + json.dumps(run.hparams, sort_keys=True, default=str)
     return runs, skipped
+
+
+RUNS_CSV_COLUMNS = ("env_id", "epsilon", "algorithm", "config", "seed", "final_score", "behavior_return")
+
+
+def load_runs_csv(path: Path) -> list[Run]:
+    """Runs listed in an earlier runs.csv, grouped as run_grid.py lays their seeds out on disk (so that a
+    result.json of the same cell, configuration and seed is recognised as the same run)."""
+    by_label = {label: key for key, label in LABELS.items()}
+    try:
+        with open(path, newline="") as f:
+            rows = list(csv.DictReader(f))
+    except (OSError, UnicodeDecodeError, csv.Error) as e:
+        raise AggregateError(f"cannot read --merge-runs file '{path}' ({e}); pass a runs.csv written by aggregate.py")
+    if not rows or any(c not in rows[0] for c in RUNS_CSV_COLUMNS):
+        raise AggregateError(f"--merge-runs file '{path}' is not a runs.csv of aggregate.py (needs the columns "
+                             f"{', '.join(RUNS_CSV_COLUMNS)})")
+    runs = []
+    for i, row in enumerate(rows, start=2):
+        try:
+            algo = by_label[row["algorithm"]]
+            eps, seed, score = float(row["epsilon"]), int(row["seed"]), float(row["final_score"])
+            beh = float(row["behavior_return"]) if row["behavior_return"] else None
+            if not math.isfinite(score) or (beh is not None and not math.isfinite(beh)):
+                raise ValueError("non-finite score")
+        except (KeyError, ValueError) as e:
+            raise AggregateError(f"--merge-runs file '{path}', line {i}: bad row ({e}); fix or delete that line")
+        env = ENV_RENAMES.get(row["env_id"], row["env_id"])
+        config = algo if row["config"] in ("", "default") else f"{algo}__{row['config']}"
+        extra = {}
+        for k, v in row.items():
+            if k not in RUNS_CSV_COLUMNS and k not in ("score_minus_behavior", "eval_se") and v:
+                try:
+                    extra[k] = float(v)
+                except ValueError:
+                    pass
+        runs.append(Run(path=path, env_id=env, epsilon=eps, algo=algo, seed=seed, final_score=score,
+                        behavior_return=beh, steps=[], returns=[], args={}, extra=extra,
+                        group=f"dir:{env}/eps{fmt_value(eps)}/{config}",
+                        eval_se=float(row["eval_se"]) if row.get("eval_se") else None))
+    return runs
+
+
+def merge_runs(found: list[Run], listed: list[Run]) -> list[Run]:
+    """found + the listed runs that no found run replaces (same group = cell and configuration, same seed)."""
+    have = {(r.group, r.seed) for r in found}
+    seen, kept = set(have), []
+    for r in listed:
+        if (r.group, r.seed) not in seen:
+            seen.add((r.group, r.seed))
+            kept.append(r)
+    return found + kept
 
 
 def load_paper(path: Path) -> dict[tuple[str, float, str], tuple[float, float | None, bool]]:
@@ -300,22 +360,26 @@ def build_report(root: Path, runs: list[Run], skipped, expected_seeds: int | Non
 
     # header ------------------------------------------------------------------------------------
     settings = defaultdict(set)
+    n_files = sum(1 for r in runs if r.path.name == RESULT_FILE)
     for run in runs:
         for key in HEADER_SETTINGS:
             if key in run.args:
                 settings[key].add(json.dumps(run.args[key]))
-        settings["evaluations per run"].add(str(len(run.steps)))
+        if run.steps:  # runs merged from a runs.csv have no curve
+            settings["evaluations per run"].add(str(len(run.steps)))
     seeds = sorted({r.seed for r in runs})
     now = datetime.datetime.now(datetime.timezone.utc)
     head = [
         "# Table 1 reproduction (Sohn et al., IJCAI 2020)",
         "",
-        f"Generated {now:%Y-%m-%d %H:%M} UTC by `{command}` from `{root}`: {len(runs)} result files"
-        + (f", {len(skipped)} invalid/unfinished skipped" if skipped else "") + ".",
+        f"Generated {now:%Y-%m-%d %H:%M} UTC by `{command}` from `{root}`: {n_files} result files"
+        + (f", {len(skipped)} invalid/unfinished skipped" if skipped else "")
+        + (f", and {len(runs) - n_files} runs listed in the `--merge-runs` table(s)" if len(runs) > n_files else "")
+        + ".",
         "",
         "Settings found in the result files: "
-        + "; ".join(f"{k} = {', '.join(sorted(v, key=_num_sort))}" for k, v in settings.items())
-        + f"; seeds = {', '.join(map(str, seeds)) or '—'} (expected {n_expected} per cell).",
+        + "".join(f"{k} = {', '.join(sorted(v, key=_num_sort))}; " for k, v in settings.items())
+        + f"seeds = {', '.join(map(str, seeds)) or '—'} (expected {n_expected} per cell).",
     ]
     if invocations:
         head += ["", "Runner invocations recorded in the results directory:"]
@@ -386,13 +450,17 @@ def _num_sort(text: str):
 # learning curves
 # --------------------------------------------------------------------------------------------
 def curve(config: Config, smooth: int) -> tuple[list[int], list[float], list[float]]:
-    """Mean and standard error over seeds at the evaluation steps common to all seeds."""
-    common = set(config.runs[0].steps)
-    for r in config.runs[1:]:
+    """Mean and standard error over seeds at the evaluation steps common to all seeds (of those with a curve:
+    runs merged from a runs.csv have none)."""
+    runs = [r for r in config.runs if r.steps]
+    if not runs:
+        return [], [], []
+    common = set(runs[0].steps)
+    for r in runs[1:]:
         common &= set(r.steps)
     steps = sorted(common)
     series = []
-    for r in config.runs:
+    for r in runs:
         by_step = dict(zip(r.steps, r.returns))
         ys = [by_step[s] for s in steps]
         if smooth > 1:  # trailing moving average, as the paper's sliding window
@@ -486,6 +554,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--smooth", type=int, default=1,
                    help="trailing moving-average window for the curves (the paper used 10)")
     p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--merge-runs", type=Path, action="append", default=[], metavar="RUNS_CSV",
+                   help="also count the runs listed in this earlier runs.csv (repeatable); a result.json of the "
+                        "same cell, configuration and seed replaces its row")
     p.add_argument("--algos", nargs="+", default=None, metavar="ALGO",
                    help=f"only these algorithms' columns ({' '.join(ALGO_ORDER)}; default: all)")
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -502,6 +573,8 @@ def main(argv: list[str] | None = None) -> int:
         if opts.paper_csv != PAPER_CSV and not opts.paper_csv.is_file():
             raise AggregateError(f"paper table '{opts.paper_csv}' not found")
         runs, skipped = load_runs(root)
+        for path in opts.merge_runs:
+            runs = merge_runs(runs, load_runs_csv(path))
         if opts.algos:
             runs = [r for r in runs if r.algo in opts.algos]
         if not runs:

@@ -485,6 +485,46 @@ def test_aggregate_errors(tmp_path, capsys):
     assert "no valid result.json" in capsys.readouterr().err
 
 
+def test_aggregate_merge_runs_keeps_a_grid_growing(tmp_path, capsys):
+    """A grid whose result files are gone keeps growing from its runs.csv: merging the old table with new
+    result files gives the same cells as aggregating all result files at once, a new result.json replaces
+    the listed run of the same cell and seed, and a broken table is a one-line error."""
+    every, old, new = tmp_path / "every", tmp_path / "old", tmp_path / "new"
+    for root, seeds in ((every, (1, 2, 3)), (old, (1, 2)), (new, (3,))):
+        for seed in seeds:
+            for algo, base in (("dqn", 10.0), ("brpo", 100.0)):
+                write_result(root, "Acrobot-v1", 0.15, algo, seed, base + seed, behavior=-114.0,
+                             extra={"mean_lambda": 0.25 * seed} if algo == "brpo" else None)
+    assert aggregate.main([str(every), "--no-plots", "--out", str(tmp_path / "a")]) == 0
+    assert aggregate.main([str(old), "--no-plots", "--out", str(tmp_path / "b")]) == 0
+    merged = tmp_path / "m"
+    assert aggregate.main([str(new), "--no-plots", "--merge-runs", str(tmp_path / "b" / "runs.csv"),
+                           "--out", str(merged)]) == 0
+    assert (merged / "runs.csv").read_text() == (tmp_path / "a" / "runs.csv").read_text()
+    assert (merged / "configs.csv").read_text() == (tmp_path / "a" / "configs.csv").read_text()
+    text = (merged / "table1.md").read_text()
+    assert table_row(text, "Acrobot-v1-0.15")[2].startswith("102.0 ± 1.0 (paper")  # BRPO: seeds 1, 2 listed + 3 found
+    assert text.split("## Summary")[1] == (tmp_path / "a" / "table1.md").read_text().split("## Summary")[1]
+    assert "1 result files" not in text and "4 runs listed in the `--merge-runs` table(s)" in text
+    # a new result for a listed seed replaces it
+    write_result(new, "Acrobot-v1", 0.15, "brpo", 1, 500.0, behavior=-114.0)
+    assert aggregate.main([str(new), "--no-plots", "--merge-runs", str(tmp_path / "b" / "runs.csv"),
+                           "--out", str(merged)]) == 0
+    rows = list(csv.DictReader(open(merged / "runs.csv")))
+    assert [r["final_score"] for r in rows if r["algorithm"] == "BRPO"] == ["500.0000", "102.0000", "103.0000"]
+    capsys.readouterr()
+    bad = tmp_path / "bad.csv"
+    for content, message in (("a,b\n1,2\n", "is not a runs.csv"),
+                             ((tmp_path / "b" / "runs.csv").read_text().replace("Acrobot-v1,0.15,DQN", "Acrobot-v1,0.15,XYZ", 1),
+                              "line 2: bad row")):
+        bad.write_text(content)
+        assert aggregate.main([str(new), "--merge-runs", str(bad), "--out", str(merged)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert message in err and len(err.splitlines()) == 1
+    assert aggregate.main([str(new), "--merge-runs", str(tmp_path / "none.csv"), "--out", str(merged)]) == 2
+    assert "cannot read --merge-runs file" in capsys.readouterr().err
+
+
 def test_paper_csv_shipped():
     rows = list(csv.DictReader(open(BENCH / "paper_table1.csv")))
     assert len(rows) == 3 * 5 * 8
