@@ -72,6 +72,9 @@ FORMAT_VERSION = 1
 #   behaviour policy at 100k updates (CartPole eps 0.05, seeds 1-2: 258 and 221 against 248 for the behaviour
 #   policy on the same start states). With it: 248 and 246; elsewhere the gains stay (CartPole eps = 1: 116,
 #   eps = 0.5: 237 against 123; Acrobot eps = 0.5: -125 against -186; LunarLander eps = 0.5: 25 against -27).
+#   Its drift of beta's exploration mass to the most frequent action is where most low-eps gains come from: a
+#   symmetric lower confidence bound (moving mass from a rare action costs as much as moving it to one) keeps
+#   pi = beta there and lost Acrobot's and LunarLander's gains (docs/brpo.md, "Pessimism in both directions").
 #   The solver's objective sees the same correction, centred under beta (solver_advantage): judged by the
 #   critic's raw W, lambda-bar* undid the pessimistic move wherever the critic claimed the rare action better,
 #   and BRPO ended ~5 below the behaviour policy on CartPole eps 0.25 (400 start states, both seeds).
