@@ -714,7 +714,8 @@ def test_end_to_end_deterministic(script, datasets, tmp_path):
     assert r1["extra"] == r2["extra"]
     assert [e["step"] for e in r1["evaluations"]] == [100, 200, 300]
     assert r1["algorithm"] == script[:-3]
-    for key in ("mean_lambda", "share_lambda_gt_half", "kl_pi_beta", "lower_bound", "L1", "L2", "L3"):
+    for key in ("mean_lambda", "share_lambda_gt_half", "kl_pi_beta", "lower_bound", "L1", "L2", "L3", "certificate",
+                "certificate_se", "certificate_lcb"):
         assert np.isfinite(r1["extra"][key])
     assert r1["extra"]["kl_pi_beta"] > 0  # pi is not beta
     if script == "brpo.py":
@@ -756,7 +757,8 @@ def test_brpo_c_differs_only_in_confidence():
                                                ("brpo.py", "kappa_max", -1.0), ("brpo.py", "kappa_scale", 0.0),
                                                ("brpo_c.py", "kappa_scale", float("inf")), ("brpo.py", "pessimism", -1.0), ("brpo.py", "confidence_learning_rate", 0.0),
                                                ("brpo.py", "penalty_scale", -0.1),
-                                               ("brpo_c.py", "lam", 2.0)])
+                                               ("brpo_c.py", "lam", 2.0), ("brpo.py", "certificate_confidence", 1.0),
+                                               ("brpo_c.py", "certificate_gamma", 1.5)])
 def test_bad_flags(script, flag, value):
     module = load_script(script)
     with pytest.raises(SystemExit, match="--" + flag.replace("_", "-")):
@@ -778,3 +780,116 @@ def test_state_dependent_temperature_bounds_the_exponent(brpo):
     tau_const = brpo.temperature(beta, lam, w, 0.99, scale, 1.0, 1.0, 0)
     assert np.allclose(tau_const, 0.99)
     assert (np.abs(w[:, 1]) / tau_const)[-1] > 100
+
+
+# ---------------------------------------------------------------------------------------------
+# Improvement certificate and safety test
+# ---------------------------------------------------------------------------------------------
+def logged_batch(rng, episodes, length, epsilon, reward_of_action, obs_dim=4, timeout_every=0, noise=1.0):
+    """A batch logged by an epsilon-greedy policy over 2 actions (greedy action 0 everywhere) in collection
+    order: episodes of `length` steps, reward r(a) + N(0, 1) per step, the last step terminal (or a time-limit
+    truncation for every `timeout_every`-th episode); `noise` is the reward noise's scale. Random behaviour-network weights (only the baseline uses them)."""
+    n = episodes * length
+    beta = np.tile([1 - epsilon / 2, epsilon / 2], (n, 1))
+    actions = (rng.random(n) < epsilon / 2).astype(np.int64)
+    obs = rng.normal(size=(n + 1, obs_dim)).astype(np.float32)
+    nxt = obs[1:].copy()
+    terminals, timeouts = np.zeros(n, bool), np.zeros(n, bool)
+    for e in range(episodes):
+        last = (e + 1) * length - 1
+        (timeouts if timeout_every and e % timeout_every == 0 else terminals)[last] = True
+    sizes = [(32, obs_dim), (32,), (16, 32), (16,), (2, 16), (2,)]
+    weights = {f"behavior_{k}": rng.normal(size=sz).astype(np.float32) for k, sz in zip(("w0", "b0", "w1", "b1", "w2", "b2"), sizes)}
+    rewards = (np.asarray(reward_of_action)[actions] + noise * rng.normal(size=n)).astype(np.float32)
+    return dict(observations=obs[:-1], next_observations=nxt, actions=actions, rewards=rewards, terminals=terminals,
+                timeouts=timeouts, **weights), beta
+
+
+@pytest.mark.parametrize("script", ["brpo.py", "brpo_c.py"])
+def test_certificate_returns_and_episodes(script):
+    """Discounted returns-to-go inside each logged episode; a time-limit truncation ends an episode like a
+    terminal; the trailing episode the collection cut off is left out."""
+    m = load_script(script)
+    rng = np.random.default_rng(0)
+    data, beta = logged_batch(rng, episodes=3, length=4, epsilon=0.5, reward_of_action=[1.0, 0.0], timeout_every=2)
+    data = {k: v[:-2] if k.startswith(("obs", "next", "act", "rew", "term", "time")) else v for k, v in data.items()}
+    beta = beta[:-2]  # the third episode is cut after 2 of its 4 steps
+    data["rewards"] = np.arange(10, dtype=np.float32)
+    cert, reason = m.certificate_data(data, beta, 0.5)
+    assert reason is None
+    np.testing.assert_array_equal(cert["rows"], np.arange(8))
+    np.testing.assert_array_equal(cert["episode"], [0, 0, 0, 0, 1, 1, 1, 1])
+    assert cert["n_episodes"] == 2 and data["timeouts"][3] and data["terminals"][7]
+    returns = [0 + .5 * (1 + .5 * (2 + .5 * 3)), 1 + .5 * (2 + .5 * 3), 2 + .5 * 3, 3,
+               4 + .5 * (5 + .5 * (6 + .5 * 7)), 5 + .5 * (6 + .5 * 7), 6 + .5 * 7, 7]
+    np.testing.assert_allclose(cert["returns"], returns, rtol=1e-12)
+    np.testing.assert_array_equal(cert["beta_taken"], beta[np.arange(8), data["actions"][:8]])
+
+
+@pytest.mark.parametrize("script", ["brpo.py", "brpo_c.py"])
+def test_certificate_is_unbiased_and_decides(script):
+    """On a logged batch whose action 0 pays 1 more per step than action 1, the first-order improvement of the
+    greedy policy over epsilon-greedy beta is known exactly (per step: beta(1) * 1, summed over the episode's
+    discounted returns-to-go). The estimate must find it within its standard error, certify the better
+    policy, refuse the worse one, and be exactly 0 (not certified) for pi = beta."""
+    m = load_script(script)
+    rng = np.random.default_rng(1)
+    length, eps, gamma = 5, 0.3, 0.9
+    data, beta = logged_batch(rng, episodes=4000, length=length, epsilon=eps, reward_of_action=[1.0, 0.0], noise=0.1)
+    cert, reason = m.certificate_data(data, beta, gamma)
+    assert reason is None and cert["n_episodes"] == 4000
+    z = 1.6448536269514722
+    taken, rows = cert["actions"], cert["rows"]
+    # true rate: sum_t sum_a (pi - beta)(a) Q_beta(s_t, a); Q_beta(s_t, 0) - Q_beta(s_t, 1) = 1 at every step
+    exact = length * (eps / 2) * 1.0
+    greedy, worst = np.tile([1.0, 0.0], (len(rows), 1)), np.tile([0.0, 1.0], (len(rows), 1))
+    # the control variate from a critic: a useless one (noise) and a good one (its action gap is right)
+    t = np.arange(len(rows)) % length
+    useless = rng.normal(size=(len(rows), 2))
+    good = np.array([1.0, 0.0]) + ((1 - eps / 2) * gamma * (1 - gamma ** (length - 1 - t)) / (1 - gamma))[:, None]  # Q_beta
+    found = {}
+    for name, q in (("useless", useless), ("good", good), ("zero", np.zeros((len(rows), 2)))):
+        better = m.improvement_certificate(greedy, q, cert, z)
+        assert abs(better["certificate"] - exact) < 4 * better["certificate_se"], name  # unbiased with any critic
+        assert better["certified"] == 1.0 and better["certificate_lcb"] > 0, name
+        worse = m.improvement_certificate(worst, q, cert, z)
+        assert worse["certificate"] < 0 and worse["certified"] == 0.0, name
+        same = m.improvement_certificate(beta[rows], q, cert, z)
+        assert same["certificate"] == 0.0 and same["certified"] == 0.0, name
+        found[name] = better["certificate_se"]
+    assert found["good"] < 0.5 * found["useless"]  # a critic that knows the action gap shrinks the error
+
+
+@pytest.mark.parametrize("script", ["brpo.py", "brpo_c.py"])
+def test_certificate_refuses_batches_without_returns(script):
+    """Shuffled rows have no returns-to-go; logged actions with probability 0 under the stored beta were not
+    drawn from it; one complete episode has no standard error. Each is refused with a reason, not a number."""
+    m = load_script(script)
+    rng = np.random.default_rng(2)
+    data, beta = logged_batch(rng, episodes=50, length=6, epsilon=0.3, reward_of_action=[1.0, 0.0])
+    perm = rng.permutation(len(beta))
+    shuffled = {k: v[perm] if k.startswith(("obs", "next", "act", "rew", "term", "time")) else v for k, v in data.items()}
+    assert "episode order" in m.certificate_data(shuffled, beta[perm], 0.99)[1]
+    zero = beta.copy()
+    zero[:, 1] = np.where(data["actions"] == 1, 0.0, zero[:, 1])
+    assert "probability 0" in m.certificate_data(data, zero, 0.99)[1]
+    one = {k: v[:6] if k.startswith(("obs", "next", "act", "rew", "term", "time")) else v for k, v in data.items()}
+    assert "1 complete episode" in m.certificate_data(one, beta[:6], 0.99)[1]
+
+
+@pytest.mark.parametrize("script", ["brpo.py", "brpo_c.py"])
+def test_safety_test_deploys_beta_until_certified(script, datasets, tmp_path):
+    """On eps = 0 data pi = beta exactly (rho keeps beta's zeros): there is no improvement to certify, so
+    --safety-test deploys beta and records it; by default (the paper) pi is deployed. Training is the same."""
+    flags = ["--epsilon", "0"]
+    gated = train(script, datasets[0.0], tmp_path, "g", *flags, "--safety-test")
+    assert all(e["deployed"] == "beta" and e["certified"] == 0.0 for e in gated["evaluations"])
+    assert gated["extra"]["deployed_pi"] == 0.0 and gated["extra"]["certificate"] == 0.0
+    # the decision travels with the saved model: re-evaluating it deploys beta too
+    gated = train(script, datasets[0.0], tmp_path, "s", *flags, "--safety-test", "--save-model")
+    proc = run([REPO / script, "--eval-checkpoint", tmp_path / "runs" / "s" / "model.pt", "--eval-episodes", "2"])
+    assert proc.returncode == 0 and "pi was not certified when saved" in proc.stdout, proc.stderr
+    assert f"{gated['evaluations'][-1]['return_mean']:.2f}" in proc.stdout
+    free = train(script, datasets[0.0], tmp_path, "f", *flags)
+    assert all(e["deployed"] == "pi" for e in free["evaluations"])
+    assert free["extra"] == gated["extra"] | {"deployed_pi": 1.0}
