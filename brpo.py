@@ -920,12 +920,16 @@ class BehaviorPolicy:
                         torch.as_tensor(weights[f"b{i}"], dtype=torch.float64)) for i in range(3)]
         self.epsilon = float(epsilon)
 
-    def __call__(self, obs: torch.Tensor) -> torch.Tensor:
+    def q_values(self, obs: torch.Tensor) -> torch.Tensor:
         h = obs.double()
         for i, (w, b) in enumerate(self.layers):
             h = h @ w.T + b
             if i < 2:
                 h = h.clamp_min(0.0)
+        return h
+
+    def __call__(self, obs: torch.Tensor) -> torch.Tensor:
+        h = self.q_values(obs)
         n_actions = h.shape[1]
         probs = torch.full_like(h, self.epsilon / n_actions)
         probs[torch.arange(h.shape[0]), h.argmax(1)] += 1.0 - self.epsilon  # first index on ties
@@ -1093,19 +1097,10 @@ MIN_CERT_EPISODES = 2  # a standard error needs two independent episodes
 MAX_BROKEN_SHARE = 0.01  # more rows than this whose next state is not the next row's state: not episode order
 
 
-def behavior_q(data: dict, obs: np.ndarray) -> np.ndarray:
-    """Q_b(s, .) of the behaviour network stored in the dataset, float64 (collect_data.py's layout)."""
-    h = obs.astype(np.float64)
-    for i in range(3):
-        h = h @ data[f"behavior_w{i}"].T.astype(np.float64) + data[f"behavior_b{i}"].astype(np.float64)
-        if i < 2:
-            h = np.maximum(h, 0.0)
-    return h
-
-
-def certificate_data(data: dict, beta: np.ndarray, gamma: float):
+def certificate_data(data: dict, beta: np.ndarray, gamma: float, behavior: "BehaviorPolicy"):
     """What the certificate needs, computed once per run: the rows of complete logged episodes, their episode
-    index, beta(a_t|s_t) and G_t - b(s_t). Returns (dict, None), or (None, reason) if the batch cannot certify."""
+    index, beta(.|s_t), beta(a_t|s_t), the discounted returns-to-go G_t and the behaviour network's state values
+    (E_beta Q_b, max Q_b). Returns (dict, None), or (None, reason) if the batch cannot certify."""
     obs, nxt, actions = data["observations"], data["next_observations"], data["actions"]
     end = data["terminals"] | data["timeouts"]
     n = len(end)
@@ -1134,7 +1129,8 @@ def certificate_data(data: dict, beta: np.ndarray, gamma: float):
     for t in range(n - 1, -1, -1):  # discounted return-to-go inside each episode (once per run, ~50 ms)
         acc = rewards[t] + (0.0 if stop[t] else gamma * acc)
         returns[t] = acc
-    q_b = behavior_q(data, obs[rows])
+    with torch.no_grad():
+        q_b = behavior.q_values(torch.from_numpy(obs[rows])).numpy()
     state_features = np.stack([np.ones(len(rows)), (beta[rows] * q_b).sum(1), q_b.max(1)], 1)
     return {"rows": rows, "episode": episode, "n_episodes": n_episodes, "actions": actions[rows], "beta": beta[rows],
             "beta_taken": beta_taken, "returns": returns[rows], "state_features": state_features}, None
@@ -1239,7 +1235,7 @@ def main(args: Args) -> None:
     # fixed dataset states for the diagnostics in result.json (own generator: training draws are unchanged)
     stats_idx = torch.randperm(len(actions), generator=torch.Generator().manual_seed(0))[:4096]
     # the certificate's inputs (rows of complete episodes, returns, baseline), once
-    cert, no_cert = certificate_data(data, behavior_probs_np, args.certificate_gamma)
+    cert, no_cert = certificate_data(data, behavior_probs_np, args.certificate_gamma, behavior)
     z = statistics.NormalDist().inv_cdf(args.certificate_confidence)
     if no_cert:
         print(f"warning: no improvement certificate: {no_cert}; " + ("the safety test deploys beta (--no-safety-test "

@@ -805,6 +805,10 @@ def logged_batch(rng, episodes, length, epsilon, reward_of_action, obs_dim=4, ti
                 timeouts=timeouts, **weights), beta
 
 
+def behavior_of(m, data):
+    return m.BehaviorPolicy({k: data[f"behavior_{k}"] for k in ("w0", "b0", "w1", "b1", "w2", "b2")}, 0.3)
+
+
 @pytest.mark.parametrize("script", ["brpo.py", "brpo_c.py"])
 def test_certificate_returns_and_episodes(script):
     """Discounted returns-to-go inside each logged episode; a time-limit truncation ends an episode like a
@@ -815,7 +819,7 @@ def test_certificate_returns_and_episodes(script):
     data = {k: v[:-2] if k.startswith(("obs", "next", "act", "rew", "term", "time")) else v for k, v in data.items()}
     beta = beta[:-2]  # the third episode is cut after 2 of its 4 steps
     data["rewards"] = np.arange(10, dtype=np.float32)
-    cert, reason = m.certificate_data(data, beta, 0.5)
+    cert, reason = m.certificate_data(data, beta, 0.5, behavior_of(m, data))
     assert reason is None
     np.testing.assert_array_equal(cert["rows"], np.arange(8))
     np.testing.assert_array_equal(cert["episode"], [0, 0, 0, 0, 1, 1, 1, 1])
@@ -836,7 +840,7 @@ def test_certificate_is_unbiased_and_decides(script):
     rng = np.random.default_rng(1)
     length, eps, gamma = 5, 0.3, 0.9
     data, beta = logged_batch(rng, episodes=4000, length=length, epsilon=eps, reward_of_action=[1.0, 0.0], noise=0.1)
-    cert, reason = m.certificate_data(data, beta, gamma)
+    cert, reason = m.certificate_data(data, beta, gamma, behavior_of(m, data))
     assert reason is None and cert["n_episodes"] == 4000
     z = 1.6448536269514722
     taken, rows = cert["actions"], cert["rows"]
@@ -869,12 +873,12 @@ def test_certificate_refuses_batches_without_returns(script):
     data, beta = logged_batch(rng, episodes=50, length=6, epsilon=0.3, reward_of_action=[1.0, 0.0])
     perm = rng.permutation(len(beta))
     shuffled = {k: v[perm] if k.startswith(("obs", "next", "act", "rew", "term", "time")) else v for k, v in data.items()}
-    assert "episode order" in m.certificate_data(shuffled, beta[perm], 0.99)[1]
+    assert "episode order" in m.certificate_data(shuffled, beta[perm], 0.99, behavior_of(m, data))[1]
     zero = beta.copy()
     zero[:, 1] = np.where(data["actions"] == 1, 0.0, zero[:, 1])
-    assert "probability 0" in m.certificate_data(data, zero, 0.99)[1]
+    assert "probability 0" in m.certificate_data(data, zero, 0.99, behavior_of(m, data))[1]
     one = {k: v[:6] if k.startswith(("obs", "next", "act", "rew", "term", "time")) else v for k, v in data.items()}
-    assert "1 complete episode" in m.certificate_data(one, beta[:6], 0.99)[1]
+    assert "1 complete episode" in m.certificate_data(one, beta[:6], 0.99, behavior_of(m, data))[1]
 
 
 @pytest.mark.parametrize("script", ["brpo.py", "brpo_c.py"])
