@@ -787,8 +787,9 @@ def test_state_dependent_temperature_bounds_the_exponent(brpo):
 # ---------------------------------------------------------------------------------------------
 def logged_batch(rng, episodes, length, epsilon, reward_of_action, obs_dim=4, timeout_every=0, noise=1.0):
     """A batch logged by an epsilon-greedy policy over 2 actions (greedy action 0 everywhere) in collection
-    order: episodes of `length` steps, reward r(a) + N(0, 1) per step, the last step terminal (or a time-limit
-    truncation for every `timeout_every`-th episode); `noise` is the reward noise's scale. Random behaviour-network weights (only the baseline uses them)."""
+    order: episodes of `length` steps, reward r(a) + noise * N(0, 1) per step, the last step terminal (or a
+    time-limit truncation for every `timeout_every`-th episode). Random behaviour-network weights (only the
+    certificate's state features use them)."""
     n = episodes * length
     beta = np.tile([1 - epsilon / 2, epsilon / 2], (n, 1))
     actions = (rng.random(n) < epsilon / 2).astype(np.int64)
@@ -833,8 +834,8 @@ def test_certificate_returns_and_episodes(script):
 @pytest.mark.parametrize("script", ["brpo.py", "brpo_c.py"])
 def test_certificate_is_unbiased_and_decides(script):
     """On a logged batch whose action 0 pays 1 more per step than action 1, the first-order improvement of the
-    greedy policy over epsilon-greedy beta is known exactly (per step: beta(1) * 1, summed over the episode's
-    discounted returns-to-go). The estimate must find it within its standard error, certify the better
+    greedy policy over epsilon-greedy beta is known exactly (per step: beta(1) * (Q_beta(s, 0) - Q_beta(s, 1)) =
+    beta(1), summed over the episode's steps). The estimate must find it within its standard error, certify the better
     policy, refuse the worse one, and be exactly 0 (not certified) for pi = beta."""
     m = load_script(script)
     rng = np.random.default_rng(1)
