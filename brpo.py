@@ -34,8 +34,10 @@ Improvement certificate (ours): at every evaluation the batch's own logged retur
 first-order improvement of pi over beta (the paper's L' with A_beta; the critic enters only as a control
 variate) with its standard error over the logged episodes, and its 95% lower confidence bound
 (improvement_certificate: what it certifies and what it does not). result.json -> extra.certificate,
-certificate_lcb, certified. --safety-test deploys (evaluates, saves) pi only while that bound is positive,
-beta otherwise.
+certificate_lcb, certified. The same certificate chooses what is deployed: pi is rebuilt from the trained
+networks at each pessimism level of --deploy-pessimism (default 1 and 0) and the level with the highest lower
+bound is deployed (main loop, "Deployed level"). --safety-test deploys (evaluates, saves) pi only while that
+bound is positive, beta otherwise.
 
     python brpo.py --env-id Acrobot-v1 --epsilon 0.15
 """
@@ -50,7 +52,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Optional
 
@@ -169,6 +171,10 @@ class Args:
     """one-sided confidence level of the certificate's lower bound (z = 1.645 at 0.95)"""
     certificate_gamma: float = 0.99
     """discount of the logged returns-to-go in the certificate (1.0: the undiscounted return, noisier)"""
+    deploy_pessimism: tuple[float, ...] = (PESSIMISM_DEFAULT, 0.0)
+    """pessimism levels of the deployed policy (ours): at each evaluation pi is rebuilt from the trained networks
+    with each level in the candidate, and the level whose improvement certificate has the highest lower bound is
+    deployed (the first if the batch cannot certify); one value fixes it (--deploy-pessimism 1: pi as trained)"""
 
 
 def fail(msg: str) -> None:
@@ -207,6 +213,8 @@ def check_args(args: Args) -> None:
         fail(f"--certificate-confidence must lie in [0.5, 1), got {args.certificate_confidence}")
     if not 0.0 <= args.certificate_gamma <= 1.0:
         fail(f"--certificate-gamma must lie in [0, 1], got {args.certificate_gamma}")
+    if not args.deploy_pessimism or not all(0.0 <= p < math.inf for p in args.deploy_pessimism):
+        fail(f"--deploy-pessimism needs one or more finite levels >= 0, got {list(args.deploy_pessimism)}")
 
 
 def make_env(env_id: str) -> gym.Env:
@@ -1039,13 +1047,14 @@ def make_actor(behavior, q_network, confidence, args, greedy: bool):
     its own (a checkpoint re-evaluates to the same returns), and the last 10 evaluations that make the final
     score average 10 independent draws of pi's randomness, like the behaviour policy's 10 passes in
     `behavior_return` (state['n_updates'] drives the temperature decay, state['unit'] is the advantage unit
-    at that time; state['deploy_pi'] False deploys beta itself: the safety test)."""
-    state = {"n_updates": 0, "unit": 1.0, "generator": torch.Generator(), "deploy_pi": True}
+    at that time; state['args'] the settings pi is built with, i.e. the deployed pessimism level; state['deploy_pi']
+    False deploys beta itself: the safety test)."""
+    state = {"n_updates": 0, "unit": 1.0, "generator": torch.Generator(), "deploy_pi": True, "args": args}
 
     def act(obs: np.ndarray) -> np.ndarray:
         o = torch.from_numpy(obs)
         beta = behavior(o)
-        pi = policy_probs(o, beta, q_network, confidence, args, state["n_updates"], state["unit"])[0] if state["deploy_pi"] else beta
+        pi = policy_probs(o, beta, q_network, confidence, state["args"], state["n_updates"], state["unit"])[0] if state["deploy_pi"] else beta
         if greedy:
             return pi.argmax(1).numpy()
         return torch.multinomial(pi, 1, generator=state["generator"]).squeeze(1).numpy()
@@ -1181,6 +1190,7 @@ def run_checkpoint(args: Args) -> None:
     act, state = make_actor(behavior, q_network, confidence, saved, args.eval_greedy)
     state["n_updates"], state["unit"] = ckpt["n_updates"], ckpt["advantage_unit"]
     state["deploy_pi"] = ckpt.get("deploy_pi", True)  # the safety test's decision when saved (older models: pi)
+    state["args"] = replace(saved, pessimism=ckpt.get("deploy_pessimism", saved.pessimism))  # the level deployed
     state["generator"].manual_seed(args.eval_seed + ckpt["n_updates"])  # the run's own evaluation at that point
     returns = evaluate(act, envs, args.eval_seed)
     print(f"{args.eval_checkpoint}: {env_id} return {returns.mean():.2f} +- {returns.std():.2f} over {len(returns)} episodes"
@@ -1234,7 +1244,8 @@ def main(args: Args) -> None:
     stats_idx = torch.randperm(len(actions), generator=torch.Generator().manual_seed(0))[:4096]
     # the certificate's inputs (rows of complete episodes, returns, behaviour-network state values), once
     cert, no_cert = certificate_data(data, behavior_probs_np, args.certificate_gamma, behavior)
-    z = statistics.NormalDist().inv_cdf(args.certificate_confidence)
+    # one bound per deployable level, simultaneous (Bonferroni): the chosen level's bound holds at the stated level
+    z = statistics.NormalDist().inv_cdf(1.0 - (1.0 - args.certificate_confidence) / len(args.deploy_pessimism))
     if no_cert:
         print(f"warning: no improvement certificate: {no_cert}; " + ("the safety test deploys beta (--no-safety-test "
               "deploys pi uncertified)" if args.safety_test else "pi is deployed uncertified"), flush=True)
@@ -1326,31 +1337,47 @@ def main(args: Args) -> None:
             now = time.perf_counter()
             train_time += now - block_start
             actor_state["n_updates"], actor_state["unit"] = step, unit
-            if cert:  # the safety test: pi's certificate on the whole batch decides what is deployed
+            level = 0
+            if cert:  # pi's certificate on the whole batch decides the deployed level (and, with the safety test, pi or beta)
                 with torch.no_grad():
                     q_batch = q_network(cert_obs).double().numpy()
-                pi_batch = policy_probs(cert_obs, cert_beta, q_network, confidence, args, step, unit)[0].numpy()
-                certificate = improvement_certificate(pi_batch, q_batch, cert, z)
+                options = [improvement_certificate(policy_probs(cert_obs, cert_beta, q_network, confidence,
+                                                                replace(args, pessimism=p), step, unit)[0].numpy(),
+                                                   q_batch, cert, z) for p in args.deploy_pessimism]
+                # Deployed level (ours). The pessimism term that keeps rho from following the critic to actions
+                # beta rarely takes also moves beta's exploration mass to its most frequent action, whether or not
+                # that helps: on CartPole eps <= 0.25 the critic's claims about the rare actions are wrong and the
+                # pessimism is what keeps pi above beta, on LunarLander eps = 0.05 they are right and the drift to
+                # beta's greedy policy is what costs pi its gain (docs/brpo.md). The critic cannot tell these apart;
+                # the logged returns can: deploy the level whose improvement the batch bounds highest.
+                level = max(range(len(options)), key=lambda i: options[i]["certificate_lcb"])  # first on ties
+                certificate = options[level]
+            actor_state["args"] = replace(args, pessimism=args.deploy_pessimism[level])
             actor_state["deploy_pi"] = not args.safety_test or certificate.get("certified", 0.0) == 1.0
             actor_state["generator"].manual_seed(args.eval_seed + step)  # see make_actor
             returns = evaluate(act, eval_envs, args.eval_seed)
             block_start = time.perf_counter()
             eval_time += block_start - now
             evaluations.append({"step": step, "return_mean": float(returns.mean()), "return_std": float(returns.std()),
-                                "deployed": "pi" if actor_state["deploy_pi"] else "beta", **certificate})
+                                "deployed": "pi" if actor_state["deploy_pi"] else "beta",
+                                "pessimism": args.deploy_pessimism[level], **certificate})
             sps = step / train_time
             print(f"step={step} eval_return={returns.mean():.1f} +- {returns.std():.1f} SPS={sps:.0f}", flush=True)
             if writer:
                 writer.add_scalar("eval/episodic_return", returns.mean(), step)
                 writer.add_scalar("charts/SPS", sps, step)
                 writer.add_scalar("charts/deployed_pi", float(actor_state["deploy_pi"]), step)
+                writer.add_scalar("charts/deployed_pessimism", args.deploy_pessimism[level], step)
                 for key in ("certificate", "certificate_lcb"):
                     if key in certificate:
                         writer.add_scalar(f"losses/{key}", certificate[key], step)
 
     final_score = float(np.mean([e["return_mean"] for e in evaluations[-10:]]))
-    extra = policy_stats(obs[stats_idx], behavior_probs[stats_idx], q_network, confidence, args, args.total_steps, unit)
-    extra.update(certificate, deployed_pi=float(actor_state["deploy_pi"]))  # the last evaluation's certificate
+    # diagnostics of the policy deployed at the end (its pessimism level)
+    extra = policy_stats(obs[stats_idx], behavior_probs[stats_idx], q_network, confidence, actor_state["args"],
+                         args.total_steps, unit)
+    extra.update(certificate, deployed_pi=float(actor_state["deploy_pi"]),  # the last evaluation's certificate
+                 deployed_pessimism=actor_state["args"].pessimism)
     result = {
         "algorithm": Path(__file__).stem, "env_id": args.env_id, "epsilon": args.epsilon, "seed": args.seed,
         "args": asdict(args), "evaluations": evaluations, "final_score": final_score,
@@ -1363,6 +1390,7 @@ def main(args: Args) -> None:
                     "args": asdict(args), "q_network": q_network.state_dict(), "confidence": confidence.state_dict(),
                     "behavior": {k: torch.as_tensor(data[f"behavior_{k}"]) for k in ("w0", "b0", "w1", "b1", "w2", "b2")},
                     "epsilon": float(data["epsilon"]), "n_updates": args.total_steps, "deploy_pi": actor_state["deploy_pi"],
+                    "deploy_pessimism": actor_state["args"].pessimism,
                     "advantage_unit": unit}, run_dir / "model.pt")
     write_json_atomic(run_dir / "result.json", result)
     if writer:
@@ -1376,7 +1404,8 @@ def main(args: Args) -> None:
         print(f"improvement certificate (first order, {cert['n_episodes']} logged episodes): {certificate['certificate']:.4g} "
               f"+- {certificate['certificate_se']:.3g}, {args.certificate_confidence:.0%} lower bound "
               f"{certificate['certificate_lcb']:.4g}: " + ("certified" if certificate["certified"] else "not certified")
-              + ("; deployed: pi" if actor_state["deploy_pi"] else "; deployed: beta (the safety test)"))
+              + (f"; deployed: pi, pessimism {actor_state['args'].pessimism:g}" if actor_state["deploy_pi"]
+                 else "; deployed: beta (the safety test)"))
 
 
 if __name__ == "__main__":

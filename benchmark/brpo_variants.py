@@ -4,12 +4,13 @@ next to variants that keep some of its parts and replace others, all on the same
     python benchmark/brpo_variants.py runs/<run>/model.pt --episodes 400
 
 Variants (each a distribution over actions at every visited state, sampled; same start states for all):
-  pi          the trained residual policy pi = beta + lambda (rho - beta)           (brpo.py --eval-checkpoint)
+  pi          the deployed residual policy pi = beta + lambda (rho - beta)          (brpo.py --eval-checkpoint)
   beta        the behaviour policy
   greedy      beta's greedy action (epsilon = 0)
   lam-const   pi with the confidence network's output replaced by a constant (--lam, default 0.7)
   w-zero      pi with W = 0 in the candidate: rho moves only by the pessimism term
   no-pess     pi with the pessimism term removed from the candidate (--pessimism 0 at deployment only)
+  pess=X      pi with the pessimism term scaled to X at deployment only (pess=0 is no-pess)
   uniform     beta moved towards its greedy action by the same average amount as pi, at every state alike
 For diagnosis only: the variants are not methods (lam-const is BRPO-C's confidence on BRPO's networks).
 """
@@ -42,11 +43,13 @@ class Args:
     """which variants to evaluate"""
     lam: float = 0.7
     """the constant confidence of lam-const"""
+    certificate: bool = False
+    """also print each variant's improvement certificate on the model's own dataset (brpo.improvement_certificate)"""
 
 
 def main(args: Args) -> None:
     torch.set_num_threads(1)
-    bad = set(args.variants) - set(VARIANTS)
+    bad = {v for v in args.variants if v not in VARIANTS and not v.startswith("pess=")}
     if bad:
         raise SystemExit(f"error: unknown variant(s) {sorted(bad)}; choose from {', '.join(VARIANTS)}")
     try:
@@ -61,6 +64,7 @@ def main(args: Args) -> None:
     confidence = brpo.load_confidence(ckpt, saved)
     behavior = brpo.BehaviorPolicy({k: v.numpy() for k, v in ckpt["behavior"].items()}, ckpt["epsilon"])
     n_updates, unit = ckpt["n_updates"], ckpt["advantage_unit"]
+    deployed = replace(saved, pessimism=ckpt.get("deploy_pessimism", saved.pessimism))  # the level brpo.py deployed
     envs = [brpo.make_env(ckpt["env_id"]) for _ in range(args.episodes)]
 
     def residual(obs, beta, lam_tilde=None, w_zero=False, pessimism=saved.pessimism):
@@ -78,7 +82,7 @@ def main(args: Args) -> None:
         beta = behavior(obs)
         one_hot = torch.nn.functional.one_hot(beta.argmax(1), beta.shape[1]).double()
         if variant == "pi":  # exactly what brpo.py deploys
-            return brpo.policy_probs(obs, beta, q_network, confidence, saved, n_updates, unit)[0]
+            return brpo.policy_probs(obs, beta, q_network, confidence, deployed, n_updates, unit)[0]
         if variant == "beta":
             return beta
         if variant == "greedy":
@@ -87,11 +91,35 @@ def main(args: Args) -> None:
             return residual(obs, beta, lam_tilde=args.lam)
         if variant == "w-zero":
             return residual(obs, beta, w_zero=True)
+        if variant.startswith("pess="):
+            return residual(obs, beta, pessimism=float(variant[5:]))
         if variant == "no-pess":
             return residual(obs, beta, pessimism=0.0)
         # uniform: pi's average gain of probability on beta's greedy action, as one fraction of the way to it
         gain = (probs("pi", obs) - beta).mul(one_hot).sum(1).mean() / (1.0 - beta.mul(one_hot).sum(1)).mean()
         return beta + gain.clamp(0.0, 1.0) * (one_hot - beta)
+
+    if args.certificate:
+        data = np.load(saved.dataset_path or brpo.REPO / "datasets" / f"{ckpt['env_id']}_eps{ckpt['epsilon']:g}.npz")
+        data = {k: data[k] for k in ("observations", "next_observations", "actions", "rewards", "terminals",
+                                     "timeouts", "behavior_probs")}
+        beta_batch = data["behavior_probs"].astype(np.float64)
+        beta_batch /= beta_batch.sum(1, keepdims=True)  # as brpo.py does
+        cert, reason = brpo.certificate_data(data, beta_batch, saved.certificate_gamma, behavior)
+        if reason:
+            raise SystemExit(f"error: no certificate: {reason}")
+        z = brpo.statistics.NormalDist().inv_cdf(saved.certificate_confidence)
+        cert_obs = torch.from_numpy(data["observations"][cert["rows"]])
+        with torch.no_grad():
+            q = q_network(cert_obs).double().numpy()
+        print(f"certificates on {cert['n_episodes']} logged episodes (first order, {saved.certificate_confidence:.0%} "
+              "lower bound):")
+        for variant in args.variants:
+            with torch.no_grad():
+                pi = probs(variant, cert_obs).double().numpy()
+            c = brpo.improvement_certificate(pi, q, cert, z)
+            print(f"  {variant:10s} {c['certificate']:8.2f} +- {c['certificate_se']:.2f}  lcb {c['certificate_lcb']:8.2f}"
+                  + ("  certified" if c["certified"] else ""), flush=True)
 
     print(f"{args.checkpoint}: {ckpt['env_id']} eps {ckpt['epsilon']:g}, {args.episodes} episodes from "
           f"reset(seed={args.eval_seed} + i), sampled with seed {args.eval_seed}")

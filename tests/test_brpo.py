@@ -690,6 +690,11 @@ def test_brpo_variants_tool(datasets, tmp_path):
     assert all(np.isfinite(float(v)) for v in scores.values())
     again = run([REPO / "benchmark" / "brpo_variants.py", model, "--episodes", "3"])
     assert again.stdout == proc.stdout  # same start states and sampling seeds: the same numbers
+    cert = run([REPO / "benchmark" / "brpo_variants.py", model, "--episodes", "1", "--certificate",
+                "--variants", "pi", "beta", "pess=0.5"])
+    assert cert.returncode == 0, cert.stderr
+    lcb = dict(re.findall(r"^  (\S+)\s+-?[\d.]+ \+- [\d.]+\s+lcb\s+(-?[\d.]+)", cert.stdout, re.M))
+    assert set(lcb) == {"pi", "beta", "pess=0.5"} and float(lcb["beta"]) == 0.0  # beta's improvement over itself
     bad = run([REPO / "benchmark" / "brpo_variants.py", tmp_path / "none.pt"])
     assert bad.returncode != 0 and "cannot read" in bad.stderr
     bad = run([REPO / "benchmark" / "brpo_variants.py", model, "--variants", "nope"])
@@ -753,12 +758,37 @@ def test_brpo_c_differs_only_in_confidence():
         assert line in c_src
 
 
+@pytest.mark.parametrize("script", ["brpo.py", "brpo_c.py"])
+def test_deployed_pessimism_is_the_best_certified_level(script, datasets, tmp_path):
+    """--deploy-pessimism 1 0: at every evaluation the deployed level is the one whose certificate has the higher
+    simultaneous lower bound (z of 0.975 for two levels), and what is deployed is exactly the single-level run's pi
+    at that level (training does not depend on the levels). The saved model deploys the last chosen level."""
+    flags = ["--kappa-max", "0.01", "--seed", "3"]
+    both = train(script, datasets[0.15], tmp_path, "b", *flags, "--deploy-pessimism", "1", "0", "--save-model")
+    one = {p: train(script, datasets[0.15], tmp_path, f"p{p}", *flags, "--deploy-pessimism", str(p)) for p in (1.0, 0.0)}
+    z2 = 1.959963984540054
+    for i, e in enumerate(both["evaluations"]):
+        single = {p: r["evaluations"][i] for p, r in one.items()}
+        assert single[1.0]["certificate"] != single[0.0]["certificate"]  # the two levels deploy different policies
+        lcb = {p: s["certificate"] - z2 * s["certificate_se"] for p, s in single.items()}
+        chosen = single[e["pessimism"]]
+        assert e["certificate_lcb"] == pytest.approx(max(lcb.values()), rel=1e-12, abs=1e-12)
+        assert e["return_mean"] == chosen["return_mean"] and e["certificate"] == chosen["certificate"]
+    assert both["extra"]["deployed_pessimism"] == both["evaluations"][-1]["pessimism"]
+    if script == "brpo.py":
+        proc = run([REPO / script, "--eval-checkpoint", tmp_path / "runs" / "b" / "model.pt", "--eval-episodes", "2"])
+        assert proc.returncode == 0, proc.stderr
+        assert f"{both['evaluations'][-1]['return_mean']:.2f}" in proc.stdout
+
+
 @pytest.mark.parametrize("script,flag,value", [("brpo.py", "mu", 1.5), ("brpo.py", "kappa_decay", 0.0),
                                                ("brpo.py", "kappa_max", -1.0), ("brpo.py", "kappa_scale", 0.0),
                                                ("brpo_c.py", "kappa_scale", float("inf")), ("brpo.py", "pessimism", -1.0), ("brpo.py", "confidence_learning_rate", 0.0),
                                                ("brpo.py", "penalty_scale", -0.1),
                                                ("brpo_c.py", "lam", 2.0), ("brpo.py", "certificate_confidence", 1.0),
-                                               ("brpo_c.py", "certificate_gamma", 1.5)])
+                                               ("brpo_c.py", "certificate_gamma", 1.5), ("brpo.py", "deploy_pessimism", ()),
+                                               ("brpo_c.py", "deploy_pessimism", (1.0, -0.5)),
+                                               ("brpo.py", "deploy_pessimism", (float("nan"),))])
 def test_bad_flags(script, flag, value):
     module = load_script(script)
     with pytest.raises(SystemExit, match="--" + flag.replace("_", "-")):
