@@ -1093,7 +1093,8 @@ def policy_stats(obs, beta, q_network, confidence, args, n_updates, unit) -> dic
 # (cross-fitting: q never sees the returns it is subtracted from). The critic itself was trained on every
 # episode, so this is unbiased up to that weak dependence; a poor critic costs variance, not bias (with the
 # behaviour network's state values alone the standard error on CartPole eps 0.25 was ~1.75x larger).
-# Every evaluation reports g, se and the one-sided lower confidence bound g - z se. The safety test
+# Every evaluation reports g, se and the one-sided lower confidence bound g - z se, with z for one bound per
+# deployable pessimism level (Bonferroni); the level with the highest bound is deployed. The safety test
 # (--safety-test, off by default) deploys pi only while that bound is above 0, and beta otherwise.
 # What it does NOT certify (docs/brpo.md): (1) it is first order: the distribution shift of a pi far from beta
 # (the paper's penalty term) is not in it, and a gain that needs a large coordinated change (Acrobot eps 1:

@@ -8,8 +8,9 @@ softmax with lambda = lam (eq. relative_soft, same temperature remedy), the crit
 mu-mixed ones of Algorithm 1. One gradient update:
   1. sample a minibatch; 2. one critic step towards r + gamma V(s'), V = (1-mu) E_beta Q' + mu max Q';
   3. soft target update. rho (and so pi) follows the critic at every state through W = Q - V.
-The improvement certificate and the --safety-test option are brpo.py's (improvement_certificate): the batch's
-own returns estimate pi's first-order improvement over beta, with a 95% lower confidence bound.
+The improvement certificate, the deployed pessimism level it chooses (--deploy-pessimism) and the --safety-test
+option are brpo.py's (improvement_certificate): the batch's own returns estimate pi's first-order improvement
+over beta, with a 95% lower confidence bound.
 
 What the reported lower bound (extra.lower_bound, losses/lower_bound) does and does not guarantee:
   * it is the paper's SAA estimate L = L' - (1-mu) L'' L''' on dataset states. Theorem 2's bound has
@@ -567,7 +568,8 @@ def policy_stats(obs, beta, q_network, confidence, args, n_updates, unit) -> dic
 # (cross-fitting: q never sees the returns it is subtracted from). The critic itself was trained on every
 # episode, so this is unbiased up to that weak dependence; a poor critic costs variance, not bias (with the
 # behaviour network's state values alone the standard error on CartPole eps 0.25 was ~1.75x larger).
-# Every evaluation reports g, se and the one-sided lower confidence bound g - z se. The safety test
+# Every evaluation reports g, se and the one-sided lower confidence bound g - z se, with z for one bound per
+# deployable pessimism level (Bonferroni); the level with the highest bound is deployed. The safety test
 # (--safety-test, off by default) deploys pi only while that bound is above 0, and beta otherwise.
 # What it does NOT certify (docs/brpo.md): (1) it is first order: the distribution shift of a pi far from beta
 # (the paper's penalty term) is not in it, and a gain that needs a large coordinated change (Acrobot eps 1:
