@@ -1000,7 +1000,9 @@ def candidate(beta, lam_tilde, w, args, n_updates, unit, log_beta=None, sqrt_bet
     a batch drawn from beta, n(s, a) is proportional to beta(a|s) times the visits of s. So W(s, a) -
     pessimism / sqrt(beta(a|s)) is, up to a per-state constant, a lower confidence bound on the advantage, and
     the candidate follows the critic to an action only as far as the batch has seen that action there. On
-    uniform data (eps = 1) the correction is the same for every action of a state and changes nothing; on
+    uniform data (eps = 1) the correction is the same for every action of a state; it still enters rho's exponent
+    multiplied by the raw confidence lambda~(s, a), which differs between actions, so it leans rho a little towards
+    the actions of lower lambda~ (not nothing: the two --deploy-pessimism levels differ at eps = 1 too); on
     near-deterministic data (eps = 0.05) an action taken 2.5% of the time must be claimed better than the
     usual one by ~5 advantage units before rho moves towards it. This is what BRPO's confidence is meant to
     do ("exploit where the batch covers, stay where it does not"), but the paper's lambda-bar* sees W and
