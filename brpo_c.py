@@ -143,8 +143,9 @@ class Args:
     """discount of the logged returns-to-go in the certificate (1.0: the undiscounted return, noisier)"""
     deploy_pessimism: tuple[float, ...] = (PESSIMISM_DEFAULT, 0.0)
     """pessimism levels of the deployed policy (ours): at each evaluation pi is rebuilt from the trained networks
-    with each level in the candidate, and the level whose improvement certificate has the highest lower bound is
-    deployed (the first if the batch cannot certify); one value fixes it (--deploy-pessimism 1: pi as trained)"""
+    with each level in the candidate; the first level is deployed while the batch certifies its improvement, and
+    otherwise the level whose certificate has the highest lower bound (the first if the batch cannot certify at
+    all); one value fixes it (--deploy-pessimism 1: pi as trained)"""
 
 
 def fail(msg: str) -> None:
@@ -791,9 +792,12 @@ def main(args: Args) -> None:
                 # beta rarely takes also moves beta's exploration mass to its most frequent action, whether or not
                 # that helps: on CartPole eps <= 0.25 the critic's claims about the rare actions are wrong and the
                 # pessimism is what keeps pi above beta, on LunarLander eps = 0.05 they are right and the drift to
-                # beta's greedy policy is what costs pi its gain (docs/brpo.md). The critic cannot tell these apart;
-                # the logged returns can: deploy the level whose improvement the batch bounds highest.
-                level = max(range(len(options)), key=lambda i: options[i]["certificate_lcb"])  # first on ties
+                # beta's greedy policy is what costs pi its gain (docs/brpo.md). The critic cannot tell these apart,
+                # and the certificate cannot rank the levels either (their paired difference is within its noise),
+                # but it can say whether pi as trained is shown to improve on beta. So: pi as trained (the first
+                # level) while it is certified; otherwise the level whose improvement the batch bounds highest.
+                level = 0 if options[0]["certified"] else max(range(len(options)),
+                                                              key=lambda i: options[i]["certificate_lcb"])
                 certificate = options[level]
             actor_state["args"] = replace(args, pessimism=args.deploy_pessimism[level])
             actor_state["deploy_pi"] = not args.safety_test or certificate.get("certified", 0.0) == 1.0

@@ -760,9 +760,10 @@ def test_brpo_c_differs_only_in_confidence():
 
 @pytest.mark.parametrize("script", ["brpo.py", "brpo_c.py"])
 def test_deployed_pessimism_is_the_best_certified_level(script, datasets, tmp_path):
-    """--deploy-pessimism 1 0: at every evaluation the deployed level is the one whose certificate has the higher
-    simultaneous lower bound (z of 0.975 for two levels), and what is deployed is exactly the single-level run's pi
-    at that level (training does not depend on the levels). The saved model deploys the last chosen level."""
+    """--deploy-pessimism 1 0: at every evaluation level 1 is deployed while its simultaneous lower bound (z of 0.975
+    for two levels) is positive, and otherwise the level with the higher bound; what is deployed is exactly the
+    single-level run's pi at that level (training does not depend on the levels). The saved model deploys the
+    last chosen level."""
     flags = ["--kappa-max", "0.01", "--seed", "3"]
     both = train(script, datasets[0.15], tmp_path, "b", *flags, "--deploy-pessimism", "1", "0", "--save-model")
     one = {p: train(script, datasets[0.15], tmp_path, f"p{p}", *flags, "--deploy-pessimism", str(p)) for p in (1.0, 0.0)}
@@ -772,7 +773,8 @@ def test_deployed_pessimism_is_the_best_certified_level(script, datasets, tmp_pa
         assert single[1.0]["certificate"] != single[0.0]["certificate"]  # the two levels deploy different policies
         lcb = {p: s["certificate"] - z2 * s["certificate_se"] for p, s in single.items()}
         chosen = single[e["pessimism"]]
-        assert e["certificate_lcb"] == pytest.approx(max(lcb.values()), rel=1e-12, abs=1e-12)
+        assert e["pessimism"] == (1.0 if lcb[1.0] > 0 else max(lcb, key=lcb.get))
+        assert e["certificate_lcb"] == pytest.approx(lcb[e["pessimism"]], rel=1e-12, abs=1e-12)
         assert e["return_mean"] == chosen["return_mean"] and e["certificate"] == chosen["certificate"]
     assert both["extra"]["deployed_pessimism"] == both["evaluations"][-1]["pessimism"]
     if script == "brpo.py":
