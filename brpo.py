@@ -168,7 +168,8 @@ class Args:
     """deploy (evaluate, save) pi only while the batch certifies its improvement over beta (improvement_certificate,
     ours), beta otherwise; off (the paper): always pi. The certificate is computed and reported either way"""
     certificate_confidence: float = 0.95
-    """one-sided confidence level of the certificate's lower bound (z = 1.645 at 0.95)"""
+    """simultaneous one-sided confidence level of the certificate's lower bounds, one per --deploy-pessimism level
+    (Bonferroni: z = 1.96 at 0.95 for the default two levels, 1.645 for one)"""
     certificate_gamma: float = 0.99
     """discount of the logged returns-to-go in the certificate (1.0: the undiscounted return, noisier)"""
     deploy_pessimism: tuple[float, ...] = (PESSIMISM_DEFAULT, 0.0)
