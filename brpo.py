@@ -1346,20 +1346,30 @@ def main(args: Args) -> None:
             if cert:  # pi's certificate on the whole batch decides the deployed level (and, with the safety test, pi or beta)
                 with torch.no_grad():
                     q_batch = q_network(cert_obs).double().numpy()
-                options = [improvement_certificate(policy_probs(cert_obs, cert_beta, q_network, confidence,
-                                                                replace(args, pessimism=p), step, unit)[0].numpy(),
-                                                   q_batch, cert, z) for p in args.deploy_pessimism]
+                pis = [policy_probs(cert_obs, cert_beta, q_network, confidence, replace(args, pessimism=p), step,
+                                   unit)[0].numpy() for p in args.deploy_pessimism]
+                options = [improvement_certificate(pi, q_batch, cert, z) for pi in pis]
+                # total-variation distance to beta on the batch's states; the regulariser L'' of Theorem 2
+                # (thm:cpi_2) is E_s sum_a lambda |rho - beta| = E_s sum_a |pi - beta|, twice this distance
+                distance = [float(0.5 * np.abs(pi - cert["beta"]).sum(1).mean()) for pi in pis]
                 # Deployed level (ours). The pessimism term that keeps rho from following the critic to actions
                 # beta rarely takes also moves beta's exploration mass to its most frequent action, whether or not
                 # that helps: on CartPole eps <= 0.25 the critic's claims about the rare actions are wrong and the
                 # pessimism is what keeps pi above beta, on LunarLander eps = 0.05 they are right and the drift to
-                # beta's greedy policy is what costs pi its gain (docs/brpo.md). The critic cannot tell these apart,
-                # and the certificate cannot rank the levels either (their paired difference is within its noise),
-                # but it can say whether pi as trained is shown to improve on beta. So: pi as trained (the first
-                # level) while it is certified; otherwise the level whose improvement the batch bounds highest.
-                level = 0 if options[0]["certified"] else max(range(len(options)),
-                                                              key=lambda i: options[i]["certificate_lcb"])
-                certificate = options[level]
+                # beta's greedy policy is what costs pi its gain (docs/brpo.md). The critic cannot tell these apart.
+                # The certificate can say whether a level is shown to improve on beta: pi as trained (the first level)
+                # while it is certified, else the certified level with the highest bound. Where no level is
+                # certified the batch cannot rank them by their gain (the bounds of uncertified levels differ by
+                # noise and flip between evaluations); what remains of Theorem 2's bound (L' minus a penalty
+                # proportional to L'' and L''', both growing with |pi - beta|) is the penalty: the level nearest beta.
+                certified = [i for i, o in enumerate(options) if o["certified"]]
+                if options[0]["certified"]:
+                    level = 0
+                elif certified:
+                    level = max(certified, key=lambda i: options[i]["certificate_lcb"])
+                else:
+                    level = min(range(len(options)), key=lambda i: distance[i])
+                certificate = {**options[level], "tv_to_beta": distance[level]}
             actor_state["args"] = replace(args, pessimism=args.deploy_pessimism[level])
             actor_state["deploy_pi"] = not args.safety_test or certificate.get("certified", 0.0) == 1.0
             actor_state["generator"].manual_seed(args.eval_seed + step)  # see make_actor

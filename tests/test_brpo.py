@@ -720,7 +720,7 @@ def test_end_to_end_deterministic(script, datasets, tmp_path):
     assert [e["step"] for e in r1["evaluations"]] == [100, 200, 300]
     assert r1["algorithm"] == script[:-3]
     for key in ("mean_lambda", "share_lambda_gt_half", "kl_pi_beta", "lower_bound", "L1", "L2", "L3", "certificate",
-                "certificate_se", "certificate_lcb"):
+                "certificate_se", "certificate_lcb", "tv_to_beta"):
         assert np.isfinite(r1["extra"][key])
     assert r1["extra"]["kl_pi_beta"] > 0  # pi is not beta
     if script == "brpo.py":
@@ -759,23 +759,30 @@ def test_brpo_c_differs_only_in_confidence():
 
 
 @pytest.mark.parametrize("script", ["brpo.py", "brpo_c.py"])
-def test_deployed_pessimism_is_the_best_certified_level(script, datasets, tmp_path):
+def test_deployed_pessimism_rule(script, datasets, tmp_path):
     """--deploy-pessimism 1 0: at every evaluation level 1 is deployed while its simultaneous lower bound (z of 0.975
-    for two levels) is positive, and otherwise the level with the higher bound; what is deployed is exactly the
-    single-level run's pi at that level (training does not depend on the levels). The saved model deploys the
-    last chosen level."""
-    flags = ["--kappa-max", "0.01", "--seed", "3"]
+    for two levels) is positive, else a certified level 0, and where neither is certified the level nearer beta
+    (total variation on the batch); what is deployed is exactly the single-level run's pi at that level (training
+    does not depend on the levels). The saved model deploys the last chosen level."""
+    flags = ["--kappa-max", "0.01", "--seed", "4"]  # seed 4: both the certified and the nearest-to-beta branch occur
     both = train(script, datasets[0.15], tmp_path, "b", *flags, "--deploy-pessimism", "1", "0", "--save-model")
     one = {p: train(script, datasets[0.15], tmp_path, f"p{p}", *flags, "--deploy-pessimism", str(p)) for p in (1.0, 0.0)}
     z2 = 1.959963984540054
+    branches = set()
     for i, e in enumerate(both["evaluations"]):
         single = {p: r["evaluations"][i] for p, r in one.items()}
         assert single[1.0]["certificate"] != single[0.0]["certificate"]  # the two levels deploy different policies
         lcb = {p: s["certificate"] - z2 * s["certificate_se"] for p, s in single.items()}
         chosen = single[e["pessimism"]]
-        assert e["pessimism"] == (1.0 if lcb[1.0] > 0 else max(lcb, key=lcb.get))
+        tv = {p: s["tv_to_beta"] for p, s in single.items()}
+        assert 0.0 < tv[1.0] != tv[0.0] < 1.0
+        expect = 1.0 if lcb[1.0] > 0 else 0.0 if lcb[0.0] > 0 else min(tv, key=tv.get)
+        branches.add("certified" if max(lcb.values()) > 0 else "nearest")
+        assert e["pessimism"] == expect
+        assert e["tv_to_beta"] == pytest.approx(tv[expect], rel=1e-12)
         assert e["certificate_lcb"] == pytest.approx(lcb[e["pessimism"]], rel=1e-12, abs=1e-12)
         assert e["return_mean"] == chosen["return_mean"] and e["certificate"] == chosen["certificate"]
+    assert branches == {"certified", "nearest"}
     assert both["extra"]["deployed_pessimism"] == both["evaluations"][-1]["pessimism"]
     if script == "brpo.py":
         proc = run([REPO / script, "--eval-checkpoint", tmp_path / "runs" / "b" / "model.pt", "--eval-episodes", "2"])
