@@ -174,9 +174,9 @@ class Args:
     """discount of the logged returns-to-go in the certificate (1.0: the undiscounted return, noisier)"""
     deploy_pessimism: tuple[float, ...] = (PESSIMISM_DEFAULT, 0.0)
     """pessimism levels of the deployed policy (ours): at each evaluation pi is rebuilt from the trained networks
-    with each level in the candidate; the first level is deployed while the batch certifies its improvement, and
-    otherwise the level whose certificate has the highest lower bound (the first if the batch cannot certify at
-    all); one value fixes it (--deploy-pessimism 1: pi as trained)"""
+    with each level in the candidate; the first level is deployed while the batch certifies its improvement,
+    otherwise the certified level with the highest lower bound, and where no level is certified the level nearest
+    to beta (total variation on the batch); one value fixes it (--deploy-pessimism 1: pi as trained)"""
 
 
 def fail(msg: str) -> None:
@@ -1098,7 +1098,7 @@ def policy_stats(obs, beta, q_network, confidence, args, n_updates, unit) -> dic
 # episode, so this is unbiased up to that weak dependence; a poor critic costs variance, not bias (with the
 # behaviour network's state values alone the standard error on CartPole eps 0.25 was ~1.75x larger).
 # Every evaluation reports g, se and the one-sided lower confidence bound g - z se, with z for one bound per
-# deployable pessimism level (Bonferroni); the level with the highest bound is deployed. The safety test
+# deployable pessimism level (Bonferroni), which decide the deployed level (in main). The safety test
 # (--safety-test, off by default) deploys pi only while that bound is above 0, and beta otherwise.
 # What it does NOT certify (docs/brpo.md): (1) it is first order: the distribution shift of a pi far from beta
 # (the paper's penalty term) is not in it, and a gain that needs a large coordinated change (Acrobot eps 1:
