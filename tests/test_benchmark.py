@@ -273,8 +273,11 @@ def test_ctrl_c_terminates_children(repo, tmp_path):
     pids.mkdir()
     (repo / "datasets").mkdir()
     env = dict(os.environ, FAKE_SLEEP="60", FAKE_PIDS=str(pids))
+    # a shell starts background jobs with SIGINT ignored, and Python keeps an ignored SIGINT ignored: give the
+    # runner the default disposition a user's terminal gives it, whatever started pytest
     proc = subprocess.Popen([sys.executable, str(BENCH / "run_grid.py"), *small_grid_args(repo, out, "--no-collect")],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.time() + 15
     while len(list(pids.iterdir())) < 2 and time.time() < deadline:
         time.sleep(0.05)
