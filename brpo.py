@@ -35,8 +35,8 @@ first-order improvement of pi over beta (the paper's L' with A_beta; the critic 
 variate) with its standard error over the logged episodes, and its 95% lower confidence bound
 (improvement_certificate: what it certifies and what it does not). result.json -> extra.certificate,
 certificate_lcb, certified. The same certificate chooses what is deployed: pi is rebuilt from the trained
-networks at each pessimism level of --deploy-pessimism (default 1 and 0) and the level with the highest lower
-bound is deployed (main loop, "Deployed level"). --safety-test deploys (evaluates, saves) pi only while that
+networks at each pessimism level of --deploy-pessimism (default 1 and 0): pi as trained while certified, else a
+certified level, else the level nearest beta (main loop, "Deployed level"). --safety-test deploys (evaluates, saves) pi only while that
 bound is positive, beta otherwise.
 
     python brpo.py --env-id Acrobot-v1 --epsilon 0.15

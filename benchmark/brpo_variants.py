@@ -113,13 +113,15 @@ def main(args: Args) -> None:
         with torch.no_grad():
             q = q_network(cert_obs).double().numpy()
         print(f"certificates on {cert['n_episodes']} logged episodes (first order, {saved.certificate_confidence:.0%} "
-              "lower bound):")
+              "lower bound of each variant on its own; tv: total-variation distance to beta on the same states, the one "
+              "brpo.py's deployed-level rule compares):")
         for variant in args.variants:
             with torch.no_grad():
                 pi = probs(variant, cert_obs).double().numpy()
             c = brpo.improvement_certificate(pi, q, cert, z)
+            tv = 0.5 * np.abs(pi - cert["beta"]).sum(1).mean()
             print(f"  {variant:10s} {c['certificate']:8.2f} +- {c['certificate_se']:.2f}  lcb {c['certificate_lcb']:8.2f}"
-                  + ("  certified" if c["certified"] else ""), flush=True)
+                  f"  tv {tv:.4f}" + ("  certified" if c["certified"] else ""), flush=True)
 
     print(f"{args.checkpoint}: {ckpt['env_id']} eps {ckpt['epsilon']:g}, {args.episodes} episodes from "
           f"reset(seed={args.eval_seed} + i), sampled with seed {args.eval_seed}")

@@ -693,8 +693,10 @@ def test_brpo_variants_tool(datasets, tmp_path):
     cert = run([REPO / "benchmark" / "brpo_variants.py", model, "--episodes", "1", "--certificate",
                 "--variants", "pi", "beta", "pess=0.5"])
     assert cert.returncode == 0, cert.stderr
-    lcb = dict(re.findall(r"^  (\S+)\s+-?[\d.]+ \+- [\d.]+\s+lcb\s+(-?[\d.]+)", cert.stdout, re.M))
-    assert set(lcb) == {"pi", "beta", "pess=0.5"} and float(lcb["beta"]) == 0.0  # beta's improvement over itself
+    rows = re.findall(r"^  (\S+)\s+-?[\d.]+ \+- [\d.]+\s+lcb\s+(-?[\d.]+)\s+tv\s+([\d.]+)", cert.stdout, re.M)
+    lcb, tv = {v: float(l) for v, l, _ in rows}, {v: float(t) for v, _, t in rows}
+    assert set(lcb) == {"pi", "beta", "pess=0.5"} and lcb["beta"] == 0.0  # beta's improvement over itself
+    assert tv["beta"] == 0.0 and 0.0 < tv["pi"] < 1.0 and tv["pess=0.5"] != tv["pi"]
     bad = run([REPO / "benchmark" / "brpo_variants.py", tmp_path / "none.pt"])
     assert bad.returncode != 0 and "cannot read" in bad.stderr
     bad = run([REPO / "benchmark" / "brpo_variants.py", model, "--variants", "nope"])
