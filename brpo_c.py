@@ -625,6 +625,12 @@ def certificate_data(data: dict, beta: np.ndarray, gamma: float, behavior: "Beha
             "beta_taken": beta_taken, "returns": returns[rows], "state_features": state_features}, None
 
 
+def tv_to_beta(pi: np.ndarray, beta: np.ndarray) -> float:
+    """Mean total-variation distance of pi to beta over the rows' states. Theorem 2's (thm:cpi_2) regulariser L''
+    is E_s sum_a lambda |rho - beta| = E_s sum_a |pi - beta|, twice this distance."""
+    return float(0.5 * np.abs(pi - beta).sum(1).mean())
+
+
 def improvement_certificate(pi: np.ndarray, q: np.ndarray, cert: dict, z: float) -> dict:
     """Estimate g of the first-order improvement of pi over beta (comment above) from pi(.|s_t) and the critic's
     Q(s_t, .) on the certificate's rows, its standard error over episodes, the one-sided lower confidence bound
@@ -789,9 +795,7 @@ def main(args: Args) -> None:
                 pis = [policy_probs(cert_obs, cert_beta, q_network, confidence, replace(args, pessimism=p), step,
                                    unit)[0].numpy() for p in args.deploy_pessimism]
                 options = [improvement_certificate(pi, q_batch, cert, z) for pi in pis]
-                # total-variation distance to beta on the batch's states; the regulariser L'' of Theorem 2
-                # (thm:cpi_2) is E_s sum_a lambda |rho - beta| = E_s sum_a |pi - beta|, twice this distance
-                distance = [float(0.5 * np.abs(pi - cert["beta"]).sum(1).mean()) for pi in pis]
+                distance = [tv_to_beta(pi, cert["beta"]) for pi in pis]  # on the batch's states
                 # Deployed level (ours). The pessimism term that keeps rho from following the critic to actions
                 # beta rarely takes also moves beta's exploration mass to its most frequent action, whether or not
                 # that helps: on CartPole eps <= 0.25 the critic's claims about the rare actions are wrong and the

@@ -119,7 +119,7 @@ def main(args: Args) -> None:
             with torch.no_grad():
                 pi = probs(variant, cert_obs).double().numpy()
             c = brpo.improvement_certificate(pi, q, cert, z)
-            tv = 0.5 * np.abs(pi - cert["beta"]).sum(1).mean()
+            tv = brpo.tv_to_beta(pi, cert["beta"])
             print(f"  {variant:10s} {c['certificate']:8.2f} +- {c['certificate_se']:.2f}  lcb {c['certificate_lcb']:8.2f}"
                   f"  tv {tv:.4f}" + ("  certified" if c["certified"] else ""), flush=True)
 

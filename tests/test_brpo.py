@@ -501,6 +501,22 @@ def test_pessimism(script):
     assert np.allclose(mod.candidate(uni, lam1, w, on, 0, 1.0)[0], mod.candidate(uni, lam1, w, off, 0, 1.0)[0], atol=1e-12)
 
 
+
+@pytest.mark.parametrize("script", ["brpo.py", "brpo_c.py"])
+def test_tv_to_beta(script):
+    """The deployed-level rule's distance: 0 at pi = beta, 1 for disjoint supports, symmetric, and for the
+    residual policy half of Theorem 2's regulariser E_s sum_a lambda |rho - beta|."""
+    mod = load_script(script)
+    rng = np.random.default_rng(3)
+    beta, pi = rng.dirichlet(np.ones(4), size=50), rng.dirichlet(np.ones(4), size=50)
+    assert mod.tv_to_beta(beta, beta) == 0.0
+    assert mod.tv_to_beta(np.eye(4)[[0, 1]], np.eye(4)[[2, 3]]) == 1.0
+    lam = np.repeat(rng.random((50, 1)), 4, 1)  # a state-constant lambda is feasible for any rho
+    mix = mod.residual_policy(torch.from_numpy(beta), torch.from_numpy(pi), torch.from_numpy(lam)).numpy()
+    assert mod.tv_to_beta(mix, beta) == pytest.approx(0.5 * (lam * np.abs(pi - beta)).sum(1).mean(), rel=1e-12)
+    assert mod.tv_to_beta(pi, beta) == pytest.approx(mod.tv_to_beta(beta, pi), rel=1e-15)
+    assert 0.0 < mod.tv_to_beta(pi, beta) < 1.0
+
 def test_solver_advantage(brpo):
     """lambda-bar* sees W minus the candidate's pessimism term centred under beta: W itself at pessimism 0 and
     on uniform data, an advantage (beta-mean unchanged), finite with beta = 0, in W's units."""
