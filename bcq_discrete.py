@@ -29,14 +29,19 @@ Evaluation is fully greedy, like their non-Atari setting (eval_eps = 0).
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import io
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Optional
 
@@ -86,6 +91,8 @@ class Args:
     """directory holding one sub-directory per run"""
     run_name: Optional[str] = None
     """sub-directory name of this run; default <env>__eps<eps>__<exp>__<seed>__<time>"""
+    overwrite: bool = False
+    """replace a finished run of the same --run-name (without it, such a run is refused)"""
     tensorboard: bool = True
     """write TensorBoard curves to runs/<run-name>/"""
     save_model: bool = False
@@ -104,10 +111,25 @@ def fail(msg: str) -> None:
 
 
 def check_args(args: Args) -> None:
-    positive = ("total_steps", "batch_size", "target_update_frequency", "eval_frequency", "eval_episodes", "threads")
+    for f in fields(args):  # NaN and inf pass the range checks below, then poison training
+        value = getattr(args, f.name)
+        if isinstance(value, float) and not math.isfinite(value):
+            fail(f"--{f.name.replace('_', '-')} must be a finite number, got {value}")
+    for name in ("seed", "eval_seed"):
+        if not 0 <= getattr(args, name) < 2**32:
+            fail(f"--{name.replace('_', '-')} must lie in [0, 2**32), got {getattr(args, name)}")
+    for name in ("run_name", "exp_name"):  # a run directory is <runs-dir>/<one name>, never outside it
+        value = getattr(args, name)
+        if value is not None and (value in ("", ".", "..") or any(c in value for c in "/\\\0")):
+            fail(f"--{name.replace('_', '-')} must be a single directory name (no '/', not '..'), got {value!r}")
+    if not 1 <= args.threads <= (os.cpu_count() or 1):
+        fail(f"--threads must lie in [1, {os.cpu_count()}] (the cores of this machine), got {args.threads}")
+    positive = ("total_steps", "batch_size", "target_update_frequency", "eval_frequency", "eval_episodes")
     for name in positive:
         if getattr(args, name) <= 0:
             fail(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    if args.eval_episodes > 10_000:  # one simulator each, side by side
+        fail(f"--eval-episodes must be at most 10000, got {args.eval_episodes}")
     if not 0.0 <= args.epsilon <= 1.0:
         fail(f"--epsilon must lie in [0, 1], got {args.epsilon}")
     if not args.learning_rate > 0:
@@ -142,38 +164,54 @@ def load_dataset(args: Args, obs_dim: int, n_actions: int) -> tuple[Path, dict]:
     if not path.exists():
         if args.dataset_path:
             fail(f"dataset {path} not found; create it with: {how}")
+        if not (REPO / "behavior_policies" / f"{args.env_id}.npz").exists():
+            fail(f"no dataset for {args.env_id}: the repo has behaviour policies for CartPole-v1, Acrobot-v1 and "
+                 f"LunarLander-v3 only; pass --dataset-path with a dataset of {args.env_id}")
         print(f"dataset {path} not found: creating it from the committed behaviour policy", flush=True)
         cmd = [sys.executable, str(REPO / "collect_data.py"), "--env-id", args.env_id, "--epsilon", f"{args.epsilon:g}"]
         if subprocess.run(cmd).returncode != 0:
-            fail(f"could not create dataset {path} (see the collect_data.py message above)")
-    keys = ("observations", "actions", "rewards", "next_observations", "terminals", "timeouts",
-            "behavior_probs", "next_behavior_probs", "epsilon", "env_id", "behavior_return", "format_version")
+            raise SystemExit(1)  # collect_data.py has said why, in one line
+    # each array's dtype kind ("real" is stored as float32, "int" as int64, "bool" as bool: conversions that keep
+    # the values, never a reinterpretation) and its row shape (None: a single value)
+    spec = {"format_version": ("int", None), "env_id": ("str", None), "epsilon": ("real", None),
+            "behavior_return": ("real", None), "actions": ("int", ()), "observations": ("real", (obs_dim,)),
+            "next_observations": ("real", (obs_dim,)), "rewards": ("real", ()), "terminals": ("bool", ()),
+            "timeouts": ("bool", ()), "behavior_probs": ("real", (n_actions,)),
+            "next_behavior_probs": ("real", (n_actions,))}
     try:
         with np.load(path, allow_pickle=False) as f:
-            missing = [k for k in keys if k not in f.files]
+            missing = [k for k in spec if k not in f.files]
             if missing:
                 fail(f"dataset {path} lacks {missing}: it was not written by collect_data.py; recreate it with: {how}")
-            d = {k: f[k] for k in keys}
+            d = {k: f[k] for k in spec}
     except SystemExit:
         raise
-    except Exception as e:  # truncated or corrupt zip, bad pickle-free array, I/O error
+    except Exception as e:  # truncated or corrupt zip, an object array (pickle), I/O error
         fail(f"dataset {path} is unreadable ({type(e).__name__}: {e}); it is corrupt or truncated, recreate it with: {how}")
-    if int(d["format_version"]) != FORMAT_VERSION:
-        fail(f"dataset {path} has format version {int(d['format_version'])}, expected {FORMAT_VERSION}; recreate it with: {how}")
-    if str(d["env_id"]) != args.env_id:
-        fail(f"dataset {path} was recorded on {d['env_id']}, not {args.env_id}; pass --env-id {d['env_id']} or another dataset")
-    if not np.isclose(float(d["epsilon"]), args.epsilon):
-        fail(f"dataset {path} was collected with epsilon {float(d['epsilon']):g}, not {args.epsilon:g}; pass --epsilon {float(d['epsilon']):g}")
-    n = len(d["actions"])
-    shapes = {"observations": (n, obs_dim), "next_observations": (n, obs_dim), "rewards": (n,), "terminals": (n,),
-              "timeouts": (n,), "behavior_probs": (n, n_actions), "next_behavior_probs": (n, n_actions)}
-    for k, shape in shapes.items():
-        if d[k].shape != shape:
-            fail(f"dataset {path}: {k} has shape {d[k].shape}, expected {shape} for {args.env_id} "
+    for k, (kind, row) in spec.items():  # in this order: the single values say what the arrays should be
+        x = d[k]
+        if x.dtype.kind not in {"real": "iuf", "int": "iu", "bool": "b", "str": "U"}[kind] and not (
+                kind == "bool" and x.dtype.kind in "iu" and np.isin(x, (0, 1)).all()):
+            fail(f"dataset {path}: {k} has dtype {x.dtype}, expected "
+                 f"{dict(real='numbers', int='integers', bool='booleans', str='a string')[kind]}; recreate it with: {how}")
+        if row is None and x.ndim != 0:
+            fail(f"dataset {path}: {k} has shape {x.shape}, expected a single value; recreate it with: {how}")
+        if k == "format_version" and int(x) != FORMAT_VERSION:
+            fail(f"dataset {path} has format version {int(x)}, expected {FORMAT_VERSION}; recreate it with: {how}")
+        if k == "env_id" and str(x) != args.env_id:
+            fail(f"dataset {path} was recorded on {x}, not {args.env_id}; pass --env-id {x} or another dataset")
+        if k == "epsilon" and not np.isclose(float(x), args.epsilon):
+            fail(f"dataset {path} was collected with epsilon {float(x):g}, not {args.epsilon:g}; pass --epsilon {float(x):g}")
+        if k == "actions" and (x.ndim != 1 or len(x) == 0):
+            fail(f"dataset {path}: actions has shape {x.shape}, expected (N,) with N > 0 (one action index per "
+                 f"transition); recreate it with: {how}")
+        if row is not None and x.shape != (len(d["actions"]), *row):
+            fail(f"dataset {path}: {k} has shape {x.shape}, expected {(len(d['actions']), *row)} for {args.env_id} "
                  f"(observation size {obs_dim}, {n_actions} actions); was it recorded on another task?")
-    if n == 0:
-        fail(f"dataset {path} is empty; recreate it with: {how}")
-    for k in ("observations", "next_observations", "rewards", "behavior_probs", "next_behavior_probs"):
+        if row is not None:
+            with np.errstate(over="ignore"):  # float64 beyond float32's range becomes inf, refused below
+                d[k] = x.astype({"real": np.float32, "int": np.int64, "bool": bool}[kind], copy=False)
+    for k in ("observations", "next_observations", "rewards", "behavior_probs", "next_behavior_probs", "behavior_return"):
         if not np.isfinite(d[k]).all():
             fail(f"dataset {path}: {k} contains NaN or inf ({np.count_nonzero(~np.isfinite(d[k]))} values); recreate it with: {how}")
     if d["actions"].min() < 0 or d["actions"].max() >= n_actions:
@@ -181,6 +219,8 @@ def load_dataset(args: Args, obs_dim: int, n_actions: int) -> tuple[Path, dict]:
     for k in ("behavior_probs", "next_behavior_probs"):
         if (d[k] < 0).any() or not np.allclose(d[k].sum(1), 1.0, atol=1e-4):
             fail(f"dataset {path}: {k} rows are not probability distributions; recreate it with: {how}")
+    if args.batch_size > len(d["actions"]):
+        fail(f"--batch-size {args.batch_size} exceeds the dataset's {len(d['actions'])} transitions")
     return path, d
 
 
@@ -260,16 +300,122 @@ def evaluate(act, envs: list, seed: int) -> np.ndarray:
     return returns
 
 
-def write_json_atomic(path: Path, obj: dict) -> None:
+def write_atomic(path: Path, data: bytes) -> None:
+    """The file appears whole (temporary file, then rename) or not at all."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
     try:
         os.chmod(tmp, 0o644)  # mkstemp's 0600 would hide the file from other users
-        with os.fdopen(fd, "w") as f:
-            json.dump(obj, f, indent=1)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
         os.replace(tmp, path)
     except BaseException:
-        os.unlink(tmp)
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
         raise
+
+
+def write_json_atomic(path: Path, obj: dict) -> None:
+    try:
+        text = json.dumps(obj, indent=1, allow_nan=False)
+    except ValueError:
+        fail(f"the run produced NaN or inf numbers (training diverged?); nothing written to {path.parent}")
+    write_atomic(path, text.encode())
+
+
+def save_model_atomic(path: Path, obj: dict) -> None:
+    buffer = io.BytesIO()  # serialised in memory, so that a full disk surfaces as an OSError of write_atomic
+    torch.save(obj, buffer)
+    write_atomic(path, buffer.getvalue())
+
+
+RUN_FILES = ("result.json", "model.pt")  # with events.out.tfevents.* and *.tmp: what a run writes in its directory
+
+
+def remove_run_files(run_dir: Path) -> None:
+    for p in run_dir.iterdir():
+        if p.name in RUN_FILES or p.name.startswith("events.out.tfevents.") or p.name.endswith(".tmp"):
+            p.unlink()
+
+
+@contextlib.contextmanager
+def run_directory(args: Args):
+    """<runs-dir>/<run-name>/ and its TensorBoard writer, locked for this run: a second process on the same run name
+    is refused. A finished run (result.json) is replaced only with --overwrite; what a failed or killed run left is
+    removed first. If this run fails or is interrupted, what it wrote is removed: a run directory holds a finished
+    run or a running one."""
+    name = args.run_name or f"{args.env_id}__eps{args.epsilon:g}__{args.exp_name}__{args.seed}__{int(time.time())}"
+    run_dir = Path(args.runs_dir) / name
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(run_dir, os.O_RDONLY)
+    except OSError as e:
+        fail(f"cannot create the run directory {run_dir} ({e.strerror}); pass a writable --runs-dir")
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released when the process ends, however it ends
+        except OSError:
+            fail(f"{run_dir} is in use by another running process; pass another --run-name")
+        if (run_dir / "result.json").exists() and not args.overwrite:
+            fail(f"{run_dir} holds a finished run; pass --overwrite to replace it, or another --run-name")
+        writer = None
+        try:
+            remove_run_files(run_dir)
+            writer = SummaryWriter(str(run_dir)) if args.tensorboard else None
+            yield run_dir, writer
+        except BaseException as e:
+            with contextlib.suppress(Exception):  # the writer's thread must not write on after the clean-up
+                writer and writer.close()
+            with contextlib.suppress(OSError):
+                remove_run_files(run_dir)
+                run_dir.rmdir()  # only if nothing else (e.g. run_grid.py's run.log) is in it
+            if isinstance(e, OSError):
+                fail(f"cannot write to {run_dir} ({e.strerror or e}); nothing of this run was kept")
+            raise
+    finally:
+        os.close(fd)
+
+
+def load_checkpoint(path: str, keys: dict) -> dict:
+    """A model.pt of this script's --save-model, loaded as weights only (a checkpoint's code is never run), with
+    `keys` (name -> type) and a task whose sizes are those of its environment."""
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        fail(f"checkpoint {path} not found")
+    except Exception as e:  # not a torch file, or one holding more than weights
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else type(e).__name__
+        fail(f"checkpoint {path} is unreadable ({reason}): it is not a model.pt written by --save-model")
+    if not isinstance(ckpt, dict) or ckpt.get("algorithm") != Path(__file__).stem:
+        saved_by = ckpt.get("algorithm") if isinstance(ckpt, dict) else None
+        fail(f"checkpoint {path} was not saved by {Path(__file__).name}" + (f" but by {saved_by}.py" if saved_by else ""))
+    keys = {"env_id": str, "obs_dim": int, "n_actions": int, **keys}
+    missing = [k for k in keys if k not in ckpt]
+    if missing:
+        fail(f"checkpoint {path} lacks {missing}; save it again with --save-model")
+    wrong = [k for k, kind in keys.items() if not isinstance(ckpt[k], kind) or isinstance(ckpt[k], bool) != (kind is bool)]
+    if wrong:
+        fail(f"checkpoint {path}: {wrong} have the wrong type; save it again with --save-model")
+    env = make_env(ckpt["env_id"])
+    if (ckpt["obs_dim"], ckpt["n_actions"]) != (env.observation_space.shape[0], int(env.action_space.n)):
+        fail(f"checkpoint {path} is for observation size {ckpt['obs_dim']} and {ckpt['n_actions']} actions, but "
+             f"{ckpt['env_id']} has {env.observation_space.shape[0]} and {env.action_space.n}")
+    return ckpt
+
+
+def load_weights(path: str, network: nn.Module, state: dict) -> None:
+    """Refuse, in one line, weights that do not fit the network or are not finite."""
+    try:
+        network.load_state_dict(state)
+    except Exception as e:  # missing or unexpected keys, shapes of another network
+        fail(f"checkpoint {path} does not hold the weights of this script's network: {' '.join(str(e).split())}")
+    if not all(torch.isfinite(t).all() for t in network.state_dict().values()):
+        fail(f"checkpoint {path} holds NaN or inf weights")
+
+
+def check_finite(step: int, *networks: nn.Module) -> None:
+    """A run whose weights became NaN or inf fails: its scores would mean nothing."""
+    if not all(torch.isfinite(p).all() for net in networks for p in net.parameters()):
+        fail(f"training diverged: the weights are NaN or inf after {step} updates; try a lower --learning-rate")
 
 
 def bcq_target(network: BCQNetwork, target_network: BCQNetwork, next_obs: torch.Tensor, rewards: torch.Tensor,
@@ -293,21 +439,16 @@ def greedy_policy(network: BCQNetwork, log_tau: float):
 
 
 def run_checkpoint(args: Args) -> None:
-    try:
-        ckpt = torch.load(args.eval_checkpoint, map_location="cpu", weights_only=True)
-        env_id = ckpt["env_id"]
-    except FileNotFoundError:
-        fail(f"checkpoint {args.eval_checkpoint} not found")
-    except Exception as e:
-        fail(f"checkpoint {args.eval_checkpoint} is unreadable ({type(e).__name__}: {e})")
-    if ckpt.get("algorithm") != Path(__file__).stem:
-        fail(f"checkpoint {args.eval_checkpoint} was saved by {ckpt.get('algorithm')}.py, not {Path(__file__).name}")
-    envs = [make_env(env_id) for _ in range(args.eval_episodes)]
-    network = BCQNetwork(ckpt["obs_dim"], ckpt["n_actions"])
-    network.load_state_dict(ckpt["network"])
+    ckpt = load_checkpoint(args.eval_checkpoint, {"network": dict, "args": dict})
     # The threshold is part of the learned policy: use the one it was trained with.
-    returns = evaluate(greedy_policy(network, log_threshold(ckpt["args"]["bcq_threshold"])), envs, args.eval_seed)
-    print(f"{args.eval_checkpoint}: {env_id} return {returns.mean():.2f} +- {returns.std():.2f} over {len(returns)} episodes")
+    threshold = ckpt["args"].get("bcq_threshold")
+    if not isinstance(threshold, float) or not 0.0 <= threshold <= 1.0:
+        fail(f"checkpoint {args.eval_checkpoint} has no --bcq-threshold in [0, 1] in its args; save it again with --save-model")
+    envs = [make_env(ckpt["env_id"]) for _ in range(args.eval_episodes)]
+    network = BCQNetwork(ckpt["obs_dim"], ckpt["n_actions"])
+    load_weights(args.eval_checkpoint, network, ckpt["network"])
+    returns = evaluate(greedy_policy(network, log_threshold(threshold)), envs, args.eval_seed)
+    print(f"{args.eval_checkpoint}: {ckpt['env_id']} return {returns.mean():.2f} +- {returns.std():.2f} over {len(returns)} episodes")
 
 
 def dataset_statistics(network: BCQNetwork, obs: torch.Tensor, actions: torch.Tensor, log_tau: float) -> dict:
@@ -330,11 +471,12 @@ def main(args: Args) -> None:
     obs_dim, n_actions = env.observation_space.shape[0], int(env.action_space.n)
     dataset_path, data = load_dataset(args, obs_dim, n_actions)
 
-    # Everything is validated: only now create outputs.
-    run_name = args.run_name or f"{args.env_id}__eps{args.epsilon:g}__{args.exp_name}__{args.seed}__{int(time.time())}"
-    run_dir = Path(args.runs_dir) / run_name
-    run_dir.mkdir(parents=True, exist_ok=True)
-    writer = SummaryWriter(str(run_dir)) if args.tensorboard else None
+    with run_directory(args) as (run_dir, writer):  # everything is validated: only now create outputs
+        train(args, data, dataset_path, run_dir, writer, obs_dim, n_actions)
+
+
+def train(args: Args, data: dict, dataset_path: Path, run_dir: Path, writer: Optional[SummaryWriter], obs_dim: int,
+          n_actions: int) -> None:
     if writer:
         writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in vars(args).items()))
 
@@ -391,6 +533,7 @@ def main(args: Args) -> None:
         if step % args.eval_frequency == 0 or step == args.total_steps:
             now = time.perf_counter()
             train_time += now - block_start
+            check_finite(step, network)
             returns = evaluate(act, eval_envs, args.eval_seed)
             block_start = time.perf_counter()
             eval_time += block_start - now
@@ -410,15 +553,25 @@ def main(args: Args) -> None:
         "dataset_path": str(dataset_path), "format_version": FORMAT_VERSION,
         "extra": dataset_statistics(network, obs, actions, log_tau),
     }
-    if args.save_model:
-        torch.save({"algorithm": Path(__file__).stem, "env_id": args.env_id, "obs_dim": obs_dim, "n_actions": n_actions,
-                    "args": asdict(args), "network": network.state_dict()}, run_dir / "model.pt")
-    write_json_atomic(run_dir / "result.json", result)
     if writer:
         writer.add_scalar("eval/final_score", final_score, args.total_steps)
+        writer.flush()  # raises what the writer's thread met (e.g. a full disk)
         writer.close()
+    if args.save_model:
+        save_model_atomic(run_dir / "model.pt", {
+            "algorithm": Path(__file__).stem, "env_id": args.env_id, "obs_dim": obs_dim, "n_actions": n_actions,
+            "args": asdict(args), "network": network.state_dict()})
+    write_json_atomic(run_dir / "result.json", result)  # last: a run directory with result.json is a finished run
     print(f"final score {final_score:.1f} (behaviour {result['behavior_return']:.1f}); results in {run_dir}")
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    # TensorBoard writes from a thread; its OSError (a full disk) surfaces again at the next write or flush, where
+    # run_directory turns it into one line, so the thread's own traceback is not printed
+    threading.excepthook = lambda a: None if issubclass(a.exc_type, OSError) else threading.__excepthook__(a)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # a stopped run cleans up like an interrupted one
+    try:
+        main(tyro.cli(Args))
+    except KeyboardInterrupt:
+        print(f"{Path(sys.argv[0]).name}: interrupted; nothing written", file=sys.stderr)
+        raise SystemExit(130)

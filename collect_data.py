@@ -16,9 +16,11 @@ regenerates the same datasets; `--train-behavior` retrains them (see `train_beha
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -123,7 +125,8 @@ def atomic_savez(path: Path, **arrays) -> None:
             np.savez(f, **arrays)
         os.replace(tmp, path)
     except BaseException:
-        os.unlink(tmp)
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
         raise
 
 
@@ -297,14 +300,28 @@ def collect(args: Args, env_id: str, epsilon: float, weights: dict, behavior_pat
           f"behaviour return {returns.mean():.1f} +- {returns.std():.1f} ({len(returns)} episodes)")
 
 
+def writable_directory(path: Path) -> None:
+    """Fail now, in one line, where the dataset could not be written later (after minutes of collection)."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path.parent):
+            pass
+    except OSError as e:
+        fail(f"cannot write {path} ({e.strerror}); pass a writable --dataset-path")
+
+
 def main(args: Args) -> None:
     bad = [e for e in args.epsilon if not 0.0 <= e <= 1.0]
     if bad:
         fail(f"--epsilon must lie in [0, 1], got {bad}")
-    if args.num_transitions <= 0:
-        fail(f"--num-transitions must be positive, got {args.num_transitions}")
-    if args.behavior_eval_episodes <= 0:
-        fail(f"--behavior-eval-episodes must be positive, got {args.behavior_eval_episodes}")
+    for name in ("seed", "eval_seed", "behavior_train_seed"):
+        value = getattr(args, name)
+        if value is not None and not 0 <= value < 2**32:
+            fail(f"--{name.replace('_', '-')} must lie in [0, 2**32), got {value}")
+    if not 0 < args.num_transitions <= 10**7:  # the paper's datasets hold 10^5; the buffers live in memory
+        fail(f"--num-transitions must lie in [1, 10000000], got {args.num_transitions}")
+    if not 0 < args.behavior_eval_episodes <= 10_000:
+        fail(f"--behavior-eval-episodes must lie in [1, 10000], got {args.behavior_eval_episodes}")
     if args.behavior_eval_passes <= 0:
         fail(f"--behavior-eval-passes must be positive, got {args.behavior_eval_passes}")
     if args.dataset_path is not None and len(args.epsilon) != 1:
@@ -316,17 +333,32 @@ def main(args: Args) -> None:
         if steps < 2_500:
             fail(f"--behavior-train-steps must be at least 2500, got {steps}")
         seed = args.behavior_train_seed if args.behavior_train_seed is not None else BEHAVIOR_TRAIN_SEED.get(args.env_id, 1)
-        train_behavior(args.env_id, steps, seed, behavior_path, args.eval_seed)
+        writable_directory(behavior_path)
+        try:
+            train_behavior(args.env_id, steps, seed, behavior_path, args.eval_seed)
+        except OSError as e:
+            fail(f"cannot write {behavior_path} ({e.strerror or e}); nothing was written")
     weights = load_behavior(behavior_path, env)
     for eps in args.epsilon:
         out = Path(args.dataset_path) if args.dataset_path else default_dataset_path(args.env_id, eps)
+        if out.is_dir():
+            fail(f"--dataset-path {out} is a directory; name the .npz file to write")
         if out.exists() and not args.overwrite:
             print(f"{out} exists; keeping it (use --overwrite to regenerate)")
             continue
+        writable_directory(out)
         start = time.time()
-        collect(args, args.env_id, eps, weights, behavior_path, out)
+        try:
+            collect(args, args.env_id, eps, weights, behavior_path, out)
+        except OSError as e:  # a full disk: atomic_savez has removed its temporary file
+            fail(f"cannot write {out} ({e.strerror or e}); nothing was written")
         print(f"  ({time.time() - start:.1f}s)")
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # stopped like interrupted: no partial file stays
+    try:
+        main(tyro.cli(Args))
+    except KeyboardInterrupt:
+        print(f"{Path(sys.argv[0]).name}: interrupted; no partial dataset was kept", file=sys.stderr)
+        raise SystemExit(130)

@@ -23,6 +23,7 @@ carry no learning curve (runs.csv has none).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import datetime
 import io
@@ -187,12 +188,16 @@ def load_paper(path: Path) -> dict[tuple[str, float, str], tuple[float, float | 
     paper = {}
     if not path.is_file():
         return paper
-    with open(path, newline="") as f:
-        for row in csv.DictReader(f):
-            env = ENV_RENAMES.get(row["env_id"], row["env_id"])
-            std = float(row["std"]) if row.get("std") not in (None, "") else None
-            paper[(env, round(float(row["epsilon"]), 6), row["algorithm"])] = (
-                float(row["mean"]), std, row.get("top2") == "1")
+    try:
+        with open(path, newline="") as f:
+            for row in csv.DictReader(f):
+                env = ENV_RENAMES.get(row["env_id"], row["env_id"])
+                std = float(row["std"]) if row.get("std") not in (None, "") else None
+                paper[(env, round(float(row["epsilon"]), 6), row["algorithm"])] = (
+                    float(row["mean"]), std, row.get("top2") == "1")
+    except (OSError, UnicodeDecodeError, csv.Error, KeyError, TypeError, ValueError) as e:
+        raise AggregateError(f"cannot read --paper-csv '{path}' ({type(e).__name__}: {e}); pass a table with the columns "
+                             "env_id, epsilon, algorithm, mean, std, top2 (like benchmark/paper_table1.csv)") from None
     return paper
 
 
@@ -525,10 +530,15 @@ def plot_curves(info: dict, out_dir: Path, smooth: int) -> list[Path]:
 # CLI
 # --------------------------------------------------------------------------------------------
 def write_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise AggregateError(f"cannot write {path} ({e.strerror or e}); pass a writable --out") from None
 
 
 def read_invocations(root: Path) -> list[str]:
@@ -545,6 +555,14 @@ def read_invocations(root: Path) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except AggregateError as e:  # raised while reading the paper's table or writing the report
+        print(f"aggregate.py: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="aggregate.py", description=__doc__.split("\n\n")[0])
     p.add_argument("results_dir", type=Path, help="directory searched recursively for result.json")
     p.add_argument("--out", type=Path, default=None, help="output directory (default: RESULTS_DIR/report)")
@@ -567,6 +585,8 @@ def main(argv: list[str] | None = None) -> int:
             raise AggregateError(f"results directory '{root}' does not exist")
         if opts.expected_seeds is not None and opts.expected_seeds < 1:
             raise AggregateError("--expected-seeds must be >= 1")
+        if opts.smooth < 1:
+            raise AggregateError(f"--smooth must be >= 1 (1: no smoothing), got {opts.smooth}")
         unknown = sorted(set(opts.algos or ()) - set(ALGO_ORDER))
         if unknown:
             raise AggregateError(f"unknown algorithm(s) {' '.join(unknown)} in --algos; choose from {' '.join(ALGO_ORDER)}")
@@ -620,7 +640,10 @@ def main(argv: list[str] | None = None) -> int:
                             "eval_se": "" if r.eval_se is None else f"{r.eval_se:.4f}",
                             **{k: f"{r.extra[k]:.6g}" if k in r.extra else "" for k in extra_keys}})
     write_atomic(out / "runs.csv", buf.getvalue())
-    plots = [] if opts.no_plots else plot_curves(info, out, opts.smooth)
+    try:
+        plots = [] if opts.no_plots else plot_curves(info, out, opts.smooth)
+    except OSError as e:
+        raise AggregateError(f"cannot write the learning curves to {out} ({e.strerror or e})") from None
     print(text)
     print(f"wrote {out / 'table1.md'}, {out / 'configs.csv'}, {out / 'runs.csv'}" + "".join(f", {p}" for p in plots), file=sys.stderr)
     return 0

@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import argparse
 import ast
+import ctypes
 import dataclasses
 import datetime
+import fcntl
 import itertools
 import json
 import math
@@ -155,7 +157,8 @@ def build_command(cell: Cell, settings: dict, out: Path, python: str, threads: i
            "--env-id", cell.env_id, "--epsilon", fmt_value(float(cell.epsilon)), "--seed", str(cell.seed)]
     for key, value in cell_settings(cell, settings).items():
         cmd += ["--" + key.replace("_", "-"), fmt_value(value)]
-    cmd += ["--threads", str(threads), "--runs-dir", str(out), "--run-name", cell.run_name]
+    run_dir = cell.run_dir(out)  # a script's --run-name is one directory name: the rest goes to --runs-dir
+    cmd += ["--threads", str(threads), "--runs-dir", str(run_dir.parent), "--run-name", run_dir.name]
     return cmd
 
 
@@ -347,6 +350,42 @@ class Job:
     start: float = 0.0
 
 
+def stop_with_parent(parent: int):
+    """preexec_fn: the child gets SIGTERM when this runner dies, even by SIGKILL (Linux's parent-death signal);
+    the scripts treat SIGTERM as an interrupt and remove what the unfinished run wrote. Elsewhere a no-op."""
+    def preexec() -> None:
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            return
+        if os.getppid() != parent:  # the runner died before prctl took effect
+            os.kill(os.getpid(), signal.SIGTERM)
+    return preexec if sys.platform.startswith("linux") else None
+
+
+def lock_results(out: Path):
+    """Hold an exclusive lock on <out> for this runner's life (the kernel releases it however the runner ends,
+    so a crashed runner leaves no stale lock); a second runner on the same --out is refused."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        handle = open(out / ".run_grid.lock", "a+")
+    except OSError as e:
+        raise GridError(f"cannot write to --out {out} ({e.strerror}); pass a writable directory") from None
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        handle.seek(0)
+        holder = handle.read().strip() or "another process"
+        handle.close()
+        raise GridError(f"another run_grid.py ({holder}) is running on {out}; wait for it or pass another --out")
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"pid {os.getpid()}")
+    handle.flush()
+    return handle
+
+
 def fmt_duration(seconds: float | None) -> str:
     if seconds is None or not math.isfinite(seconds):
         return "?"
@@ -381,7 +420,8 @@ class Runner:
         try:
             # own session: a terminal Ctrl-C reaches only this runner, which then stops children itself
             job.proc = subprocess.Popen(job.cmd, cwd=self.repo, stdout=job.log_handle, stderr=subprocess.STDOUT,
-                                        stdin=subprocess.DEVNULL, env=self._env(), start_new_session=True)
+                                        stdin=subprocess.DEVNULL, env=self._env(), start_new_session=True,
+                                        preexec_fn=stop_with_parent(os.getpid()))
         except OSError as e:
             job.log_handle.write(f"# could not start: {e}\n")
             job.log_handle.close()
@@ -617,6 +657,10 @@ def _main(opts: argparse.Namespace) -> int:
     for name, value in (("--workers", opts.workers), ("--threads", opts.threads)):
         if value < 1:
             raise GridError(f"{name} must be >= 1")
+    if opts.threads > (os.cpu_count() or 1):
+        raise GridError(f"--threads must be at most {os.cpu_count()} (the cores of this machine)")
+    if any(not 0 <= s < 2**32 for s in seeds):
+        raise GridError("seeds must lie in [0, 2**32)")
     for name, value in (("--total-steps", opts.total_steps), ("--eval-frequency", opts.eval_frequency),
                         ("--eval-episodes", opts.eval_episodes)):
         if value is not None and value < 1:
@@ -636,6 +680,7 @@ def _main(opts: argparse.Namespace) -> int:
     if unknown:  # every run would fail on it: stop before starting any
         raise GridError(f"{unknown[0]} (see the script's --help for its flags)")
     cells = expand_grid(envs, epsilons, algos, seeds, grid)
+    lock = None if opts.dry_run else lock_results(out)  # noqa: F841 (held while this function runs)
 
     finished, pending, stale = [], [], []
     for cell in cells:

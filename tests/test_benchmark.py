@@ -40,19 +40,20 @@ FAKE_ALGO = textwrap.dedent('''
     args, extra = p.parse_known_args()
     hp = {extra[i].lstrip("-").replace("-", "_"): float(extra[i + 1]) for i in range(0, len(extra), 2)}
     algo = os.path.splitext(os.path.basename(__file__))[0]
+    assert "/" not in args.run_name, "a run name is one directory name"
+    run_dir = os.path.join(args.runs_dir, args.run_name)
     if os.environ.get("FAKE_CALLS"):
         with open(os.environ["FAKE_CALLS"], "a") as f:
-            f.write(args.run_name + "\\n")
-    run_dir = os.path.join(args.runs_dir, args.run_name)
+            f.write(run_dir + "\\n")
     os.makedirs(run_dir, exist_ok=True)
     if os.environ.get("FAKE_PIDS"):
         with open(os.path.join(os.environ["FAKE_PIDS"], str(os.getpid())), "w") as f:
-            f.write(args.run_name)
+            f.write(run_dir)
     time.sleep(float(os.environ.get("FAKE_SLEEP", "0")))
-    if os.environ.get("FAKE_FAIL") and os.environ["FAKE_FAIL"] in args.run_name:
+    if os.environ.get("FAKE_FAIL") and os.environ["FAKE_FAIL"] in run_dir:
         print("fake failure: boom", file=sys.stderr)
         sys.exit(3)
-    if os.environ.get("FAKE_NO_RESULT") and os.environ["FAKE_NO_RESULT"] in args.run_name:
+    if os.environ.get("FAKE_NO_RESULT") and os.environ["FAKE_NO_RESULT"] in run_dir:
         sys.exit(0)
     n = args.total_steps // args.eval_frequency
     evals = [{"step": (k + 1) * args.eval_frequency, "return_mean": 10.0 * args.seed + k, "return_std": 1.0}
@@ -67,7 +68,7 @@ FAKE_ALGO = textwrap.dedent('''
     with open(tmp, "w") as f:
         json.dump(result, f)
     os.replace(tmp, os.path.join(run_dir, "result.json"))
-    print("done", algo, args.run_name)
+    print("done", algo, run_dir)
 ''')
 
 FAKE_COLLECT = textwrap.dedent('''
@@ -162,7 +163,7 @@ def test_command_format():
     text = " ".join(cmd)
     assert "--env-id Acrobot-v1 --epsilon 0.15 --seed 3 --total-steps 20000 --mu 0.5 --threads 1" in text
     assert "--eval-frequency" not in text
-    assert text.endswith("--runs-dir /o --run-name Acrobot-v1/eps0.15/brpo__mu=0.5/seed3")
+    assert text.endswith("--runs-dir /o/Acrobot-v1/eps0.15/brpo__mu=0.5 --run-name seed3")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -176,11 +177,21 @@ def test_command_format():
     (["--sweep", "brpo:seed=1,2"], "cannot be swept"),
     (["--sweep", "brpo:lam=0.5"], "--lam is not a flag of brpo.py"),
     (["--grid", "/nonexistent.json"], "not found"),
+    (["--seeds", "-1"], "seeds must lie in"),
+    (["--threads", "100000"], "--threads must be at most"),
 ])
 def test_bad_input_one_line_error(argv, message, capsys, tmp_path):
     assert run_grid.main(["--dry-run", "--out", str(tmp_path), *argv]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("run_grid.py: error:") and message in err[0]
+
+
+def test_unwritable_out_is_one_line(repo, tmp_path, capsys):
+    (tmp_path / "file").write_text("x")
+    assert run_grid.main(small_grid_args(repo, tmp_path / "file" / "out")) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "cannot write to --out" in err[0]
+    assert calls(tmp_path) == []
 
 
 def test_missing_scripts_error(tmp_path, capsys):
@@ -232,7 +243,7 @@ def test_run_creates_datasets_then_results_and_resumes(repo, tmp_path, capsys):
             path.unlink()
     (tmp_path / "calls.txt").unlink()
     assert run_grid.main(small_grid_args(repo, out)) == 0
-    assert sorted(calls(tmp_path)) == sorted(c.run_name for c in broken)  # only those reran, no re-collect
+    assert sorted(calls(tmp_path)) == sorted(str(c.run_dir(out.resolve())) for c in broken)  # only those reran
     for cell in cells:
         assert run_grid.check_result(cell.run_dir(out) / "result.json", cell, {}) is None
 
@@ -293,6 +304,44 @@ def test_ctrl_c_terminates_children(repo, tmp_path):
     assert not list(out.rglob("result.json"))
 
 
+def alive(pid: int) -> bool:
+    """A process that has not ended (a zombie waiting for its reaper has ended)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
+def test_second_runner_is_refused_and_a_killed_runner_takes_its_children(repo, tmp_path, capsys):
+    out, pids = tmp_path / "out", tmp_path / "pids"
+    pids.mkdir()
+    (repo / "datasets").mkdir()
+    env = dict(os.environ, FAKE_SLEEP="60", FAKE_PIDS=str(pids))
+    first = subprocess.Popen([sys.executable, str(BENCH / "run_grid.py"), *small_grid_args(repo, out, "--no-collect")],
+                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 15
+    while len(list(pids.iterdir())) < 2 and time.time() < deadline:
+        time.sleep(0.05)
+    children = [int(p.name) for p in pids.iterdir()]
+    assert len(children) == 2
+    # a second runner on the same --out runs nothing
+    assert run_grid.main(small_grid_args(repo, out, "--no-collect")) == 2
+    assert "another run_grid.py (pid " in capsys.readouterr().err
+    assert len(calls(tmp_path)) == 2
+    first.send_signal(signal.SIGKILL)  # no clean-up of its own: the children must still end
+    first.wait()
+    deadline = time.time() + 15
+    while any(alive(pid) for pid in children) and time.time() < deadline:
+        time.sleep(0.05)
+    assert not any(alive(pid) for pid in children)
+    # the lock died with the runner; the resumed grid runs every cell once
+    (tmp_path / "calls.txt").unlink()
+    assert run_grid.main(small_grid_args(repo, out, "--no-collect")) == 0
+    cells = expand_grid(["CartPole-v1"], [0.05, 1.0], ["brpo", "dqn"], [1, 2])
+    assert sorted(calls(tmp_path)) == sorted(str(c.run_dir(out.resolve())) for c in cells)
+
+
 # ----------------------------------------------------------------------------------------------
 # Slurm
 # ----------------------------------------------------------------------------------------------
@@ -319,12 +368,14 @@ def test_slurm_every_cell_maps_to_exactly_one_index(repo, tmp_path, capsys):
             mapping[(script.name, t)] = lines[offset + t]
     assert len(mapping) == len(cells)
     for cell in cells:
-        hits = [key for key, line in mapping.items() if f"--run-name {cell.run_name} " in line + " "]
+        run_dir = cell.run_dir(out)
+        hits = [key for key, line in mapping.items() if f"--runs-dir {run_dir.parent} --run-name {run_dir.name} " in line + " "]
         assert len(hits) == 1, cell.run_name
     table = [row.split("\t") for row in (sdir / "cells.tsv").read_text().splitlines()[1:]]
     assert sorted(int(r[0]) for r in table) == list(range(len(cells)))
     assert {Path(r[3]) for r in table} == {c.run_dir(out) for c in cells}
-    assert all(f"--run-name {Path(r[3]).relative_to(out)} " in mapping[(r[1], int(r[2]))] + " " for r in table)
+    assert all(f"--runs-dir {Path(r[3]).parent} --run-name {Path(r[3]).name} " in mapping[(r[1], int(r[2]))] + " "
+               for r in table)
     submit = (sdir / "submit.sh").read_text()
     assert "collect.sbatch" in submit and submit.count("--dependency=afterok:$jid grid_") == 3
     assert "collect_data.py --env-id CartPole-v1 --epsilon 0.05 1" in (sdir / "collect.sbatch").read_text()

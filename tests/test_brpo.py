@@ -766,10 +766,10 @@ def test_brpo_c_differs_only_in_confidence():
     brpo, brpo_c = top_level(REPO / "brpo.py"), top_level(REPO / "brpo_c.py")
     # every function and class the two files share is verbatim the same, except where the confidence enters
     differ = {name for name in brpo.keys() & brpo_c.keys() if brpo[name] != brpo_c[name]}
-    assert differ == {"Args", "check_args", "policy_probs", "load_confidence", "main"}
+    assert differ == {"Args", "check_args", "policy_probs", "load_confidence", "train"}
     assert set(brpo_c) - set(brpo) == {"ConstantConfidence"}
     brpo_src, c_src = (REPO / "brpo.py").read_text().splitlines(), set((REPO / "brpo_c.py").read_text().splitlines())
-    # inside main, the critic update, the target update and the evaluation are verbatim the same lines
+    # inside train, the critic update, the target update and the evaluation are verbatim the same lines
     for needle in ("next_v = (1.0 - args.mu) * row_sum(", "td_target = torch.addcmul(r, torch.from_numpy(next_v), boot)", "batch_np = table.take(idx_np, 0)", "tp.lerp_(p, args.tau)", "returns = evaluate(act",
                    "unit = advantage_unit(q_np, q_max) if step == 1", "q_grad, td_error = critic_output_grad("):
         line = next(line for line in brpo_src if needle in line)

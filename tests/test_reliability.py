@@ -1,0 +1,273 @@
+"""Bad input and faults end in one clear line, a non-zero exit and nothing half-written; a finished run is never
+overwritten unless asked. Most cases run a script's main() in-process (they fail before training); interrupts,
+full disks and unwritable directories need a real process."""
+
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import json
+import os
+import resource
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import ALGORITHMS, REPO, run
+from test_common import load_script, main_in_process
+
+TINY = ["--total-steps", "200", "--eval-frequency", "100", "--eval-episodes", "2"]
+
+
+def one_line_failure(module, runs, **overrides) -> str:
+    """main() exits with one line and leaves no run directory."""
+    with pytest.raises(SystemExit) as exc:
+        main_in_process(module, runs_dir=str(runs), **overrides)
+    message = str(exc.value.code)
+    assert "error" in message and "\n" not in message, message
+    assert not runs.exists() or not any(runs.rglob("*.*")), list(runs.rglob("*"))
+    return message
+
+
+def failed_cleanly(proc: subprocess.CompletedProcess, needle: str) -> None:
+    assert proc.returncode not in (0, None), proc.stdout
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0], proc.stderr
+
+
+def rewritten(src: Path, dst: Path, **changes) -> str:
+    with np.load(src) as f:
+        d = {k: f[k] for k in f.files}
+    np.savez(dst, **{**d, **changes})
+    return str(dst)
+
+
+# ------------------------------------------------------------------------------------------------
+# datasets: dtype and shape of every array
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ALGORITHMS)
+def test_arrays_of_wrong_dtype_or_shape_are_refused_before_any_output(name, datasets, tmp_path):
+    module = load_script(name)
+    src = datasets[0.15]
+    with np.load(src) as f:
+        actions, obs, terminals = f["actions"], f["observations"], f["terminals"]
+    cases = {
+        "float actions": (dict(actions=actions.astype(np.float32)), "actions has dtype float32"),
+        "actions [N, 1]": (dict(actions=actions[:, None]), "actions has shape"),
+        "0-d actions": (dict(actions=np.array(1)), "actions has shape ()"),
+        "0-d observations": (dict(observations=np.array(1.0)), "observations has shape ()"),
+        "float terminals": (dict(terminals=terminals.astype(np.float32)), "terminals has dtype float32"),
+        "terminals 0/1/2": (dict(terminals=terminals.astype(np.int64) * 2), "terminals has dtype int64"),
+        "observations beyond float32": (dict(observations=np.full(obs.shape, 1e300)), "NaN or inf"),
+        "env_id array": (dict(env_id=np.array(["CartPole-v1"])), "env_id has shape (1,)"),
+        "string epsilon": (dict(epsilon=np.array("0.15")), "epsilon has dtype"),
+        "no transitions": (dict(actions=actions[:0]), "actions has shape (0,)"),
+    }
+    for i, (case, (changes, needle)) in enumerate(cases.items()):
+        path = rewritten(src, tmp_path / f"bad{i}.npz", **changes)
+        message = one_line_failure(module, tmp_path / f"runs{i}", dataset_path=path)
+        assert needle in message, (case, message)
+
+
+@pytest.mark.parametrize("name", ("bc.py", "brpo.py", "spibb.py"))
+def test_convertible_dtypes_are_converted_not_reinterpreted(name, datasets, tmp_path):
+    module = load_script(name)
+    src = datasets[0.15]
+    with np.load(src) as f:
+        obs, actions, terminals = f["observations"], f["actions"], f["terminals"]
+    path = rewritten(src, tmp_path / "wide.npz", observations=obs.astype(np.float64), actions=actions.astype(np.int32),
+                     terminals=terminals.astype(np.uint8))
+    _, d = module.load_dataset(module.Args(dataset_path=path), 4, 2)
+    _, ref = module.load_dataset(module.Args(dataset_path=str(src)), 4, 2)
+    for k in ("observations", "actions", "terminals"):
+        assert d[k].dtype == ref[k].dtype and np.array_equal(d[k], ref[k]), k
+
+
+# ------------------------------------------------------------------------------------------------
+# arguments: non-finite numbers, seeds, run names, sizes
+# ------------------------------------------------------------------------------------------------
+BAD_ARGS = {
+    "learning rate inf": (dict(learning_rate=float("inf")), "--learning-rate must be a finite number"),
+    "negative eval seed": (dict(eval_seed=-1), "--eval-seed must lie in"),
+    "negative seed": (dict(seed=-1), "--seed must lie in"),
+    "seed too large": (dict(seed=2**64), "--seed must lie in"),
+    "run name escapes": (dict(run_name="../escaped"), "--run-name must be a single directory name"),
+    "absolute run name": (dict(run_name="/tmp/abs"), "--run-name must be a single directory name"),
+    "dot-dot run name": (dict(run_name=".."), "--run-name must be a single directory name"),
+    "exp name with slash": (dict(exp_name="a/b"), "--exp-name must be a single directory name"),
+    "threads beyond the cores": (dict(threads=10**6), "--threads"),
+    "huge evaluation": (dict(eval_episodes=10**7), "--eval-episodes"),
+    "batch beyond the data": (dict(batch_size=10**8), "--batch-size"),
+    "no behaviour policy": (dict(env_id="MountainCar-v0", dataset_path=None), "no dataset for MountainCar-v0"),
+}
+
+
+@pytest.mark.parametrize("name", ALGORITHMS)
+def test_bad_arguments_are_refused_up_front(name, datasets, tmp_path):
+    module = load_script(name)
+    for i, (case, (overrides, needle)) in enumerate(BAD_ARGS.items()):
+        message = one_line_failure(module, tmp_path / f"runs{i}", **{"dataset_path": str(datasets[0.15]), **overrides})
+        assert needle in message, (case, message)
+    assert not (tmp_path.parent / "escaped").exists() and not Path("/tmp/abs").exists()
+
+
+@pytest.mark.parametrize("name", ALGORITHMS)
+def test_diverged_training_fails_without_a_result(name, datasets, tmp_path):
+    module = load_script(name)
+    message = one_line_failure(module, tmp_path / "runs", dataset_path=str(datasets[0.15]), learning_rate=1e30,
+                               run_name="r")
+    assert "diverged" in message
+
+
+@pytest.mark.parametrize("name", ALGORITHMS)
+def test_unwritable_runs_dir_under_a_file(name, datasets, tmp_path):
+    module = load_script(name)
+    (tmp_path / "file").write_text("x")
+    message = one_line_failure(module, tmp_path / "file" / "runs", dataset_path=str(datasets[0.15]))
+    assert "cannot create the run directory" in message and "--runs-dir" in message
+
+
+# ------------------------------------------------------------------------------------------------
+# run directories: never overwritten unless asked, never shared, stale files cleared
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ALGORITHMS)
+def test_finished_run_is_kept_unless_overwrite_and_checkpoints_are_validated(name, datasets, tmp_path):
+    module = load_script(name)
+    runs, data = tmp_path / "runs", str(datasets[0.15])
+    main_in_process(module, dataset_path=data, runs_dir=str(runs), run_name="r", save_model=True, total_steps=100)
+    first = (runs / "r" / "result.json").read_bytes()
+    with pytest.raises(SystemExit) as exc:
+        main_in_process(module, dataset_path=data, runs_dir=str(runs), run_name="r", seed=2, total_steps=100)
+    assert "holds a finished run" in str(exc.value.code) and "--overwrite" in str(exc.value.code)
+    assert (runs / "r" / "result.json").read_bytes() == first
+    main_in_process(module, dataset_path=data, runs_dir=str(runs), run_name="r", seed=2, total_steps=100,
+                    overwrite=True)
+    assert json.loads((runs / "r" / "result.json").read_text())["seed"] == 2
+    assert len(list((runs / "r").glob("events.out.tfevents.*"))) == 1  # the earlier run's curves are gone
+    assert not (runs / "r" / "model.pt").exists()  # and its model, which this run did not save
+
+    # --eval-checkpoint: weights only, every key and shape checked, one line
+    main_in_process(module, dataset_path=data, runs_dir=str(runs), run_name="m", save_model=True, total_steps=100,
+                    tensorboard=False)
+    good = torch.load(runs / "m" / "model.pt", weights_only=True)
+    nets = [k for k, v in good.items() if isinstance(v, dict) and k != "args" and k != "behavior"]
+    marker = tmp_path / "code_ran"
+
+    class Payload:
+        def __reduce__(self):
+            return (os.mkdir, (str(marker),))
+
+    bad = {
+        "not a checkpoint": (None, "unreadable"),
+        "code in it": ({**good, "payload": Payload()}, "unreadable"),
+        "missing key": ({k: v for k, v in good.items() if k != nets[0]}, f"lacks ['{nets[0]}']"),
+        "wrong type": ({**good, "obs_dim": "4"}, "wrong type"),
+        "task of other sizes": ({**good, "env_id": "Acrobot-v1"}, "Acrobot-v1 has 6 and 3"),
+        "weights of another task": ({**good, "env_id": "Acrobot-v1", "obs_dim": 6, "n_actions": 3},
+                                    "does not hold"),
+        "NaN weights": ({**good, nets[0]: {k: torch.full_like(v, float("nan")) for k, v in good[nets[0]].items()}},
+                        "NaN or inf"),
+        "another script's": ({**good, "algorithm": "nope"}, "not saved by"),
+    }
+    for i, (case, (ckpt, needle)) in enumerate(bad.items()):
+        path = tmp_path / f"ckpt{i}.pt"
+        if ckpt is None:
+            path.write_bytes(Path(data).read_bytes())
+        else:
+            torch.save(ckpt, path)
+        message = one_line_failure(module, tmp_path / "no_runs", eval_checkpoint=str(path))
+        assert needle in message, (case, message)
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("name", ("bc.py", "brpo.py"))
+def test_run_directory_in_use_and_stale_files(name, datasets, tmp_path):
+    module = load_script(name)
+    runs, data = tmp_path / "runs", str(datasets[0.15])
+    (runs / "r").mkdir(parents=True)
+    held = os.open(runs / "r", os.O_RDONLY)
+    fcntl.flock(held, fcntl.LOCK_EX)  # as a process running in runs/r holds it
+    with pytest.raises(SystemExit) as exc:
+        main_in_process(module, dataset_path=data, runs_dir=str(runs), run_name="r")
+    assert "in use by another running process" in str(exc.value.code)
+    os.close(held)
+    # what a killed run left (curves, a model, a temporary file) is cleared; other files are not touched
+    for stale in ("events.out.tfevents.1.old.0", "model.pt", "result.json.x.tmp", "run.log"):
+        (runs / "r" / stale).write_text("stale")
+    main_in_process(module, dataset_path=data, runs_dir=str(runs), run_name="r", total_steps=100)
+    names = sorted(p.name for p in (runs / "r").iterdir())
+    assert names[-2:] == ["result.json", "run.log"] and len(names) == 3 and names[0] != "events.out.tfevents.1.old.0"
+
+
+# ------------------------------------------------------------------------------------------------
+# faults that need a real process: a full disk, an unwritable directory, interrupts
+# ------------------------------------------------------------------------------------------------
+def run_limited(args, max_bytes=None, drop_dac=False, **kw) -> subprocess.CompletedProcess:
+    """Run a script with files limited to `max_bytes` (writes beyond fail as on a full disk: Python ignores
+    SIGXFSZ, so write() returns EFBIG) and, for root, without the capability that lets root write anywhere."""
+    def preexec():
+        if max_bytes is not None:
+            resource.setrlimit(resource.RLIMIT_FSIZE, (max_bytes, max_bytes))
+        if drop_dac and os.geteuid() == 0:
+            libc = ctypes.CDLL(None, use_errno=True)
+            for cap in (1, 2):  # CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH out of the bounding set (PR_CAPBSET_DROP)
+                libc.prctl(24, cap)
+    return subprocess.run([sys.executable, *map(str, args)], capture_output=True, text=True, preexec_fn=preexec,
+                          timeout=300, **kw)
+
+
+@pytest.mark.parametrize("name, flags", [(n, ["--save-model", "--no-tensorboard"] if i % 2 else [])
+                                         for i, n in enumerate(ALGORITHMS)])
+def test_full_disk_is_one_line_and_leaves_nothing(name, flags, datasets, tmp_path):
+    proc = run_limited([REPO / name, "--dataset-path", datasets[0.15], "--runs-dir", tmp_path / "runs", "--run-name",
+                        "r", *TINY, *flags], max_bytes=1024)
+    failed_cleanly(proc, "cannot write to")
+    assert list((tmp_path / "runs").iterdir()) == []
+
+
+def test_read_only_runs_dir_and_dataset_location(datasets, tmp_path):
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o555)
+    proc = run_limited([REPO / "bc.py", "--dataset-path", datasets[0.15], "--runs-dir", ro / "runs", *TINY],
+                       drop_dac=True)
+    failed_cleanly(proc, "cannot create the run directory")
+    proc = run_limited([REPO / "collect_data.py", "--epsilon", "0.15", "--num-transitions", "100",
+                        "--dataset-path", ro / "d.npz"], drop_dac=True)
+    failed_cleanly(proc, "cannot write")
+    assert list(ro.iterdir()) == []
+
+
+def test_collect_data_full_disk_and_bad_seeds(tmp_path):
+    proc = run_limited([REPO / "collect_data.py", "--epsilon", "0.15", "--num-transitions", "500",
+                        "--behavior-eval-episodes", "2", "--behavior-eval-passes", "1",
+                        "--dataset-path", tmp_path / "d.npz"], max_bytes=4096)
+    failed_cleanly(proc, "cannot write")
+    assert list(tmp_path.iterdir()) == []
+    for flag in ("--seed", "--eval-seed"):
+        proc = run([REPO / "collect_data.py", f"{flag}=-1", "--dataset-path", tmp_path / "d.npz", "--epsilon", "0.15"])
+        failed_cleanly(proc, f"{flag} must lie in")
+
+
+@pytest.mark.parametrize("name, sig", [("bc.py", signal.SIGINT), ("brpo.py", signal.SIGTERM)])
+def test_interrupted_run_says_so_and_leaves_nothing(name, sig, datasets, tmp_path):
+    run_dir = tmp_path / "runs" / "r"
+    proc = subprocess.Popen([sys.executable, REPO / name, "--dataset-path", datasets[0.15], "--runs-dir",
+                             tmp_path / "runs", "--run-name", "r", "--total-steps", "1000000"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    deadline = time.time() + 60
+    while not list(run_dir.glob("events.out.tfevents.*")) and time.time() < deadline:
+        time.sleep(0.1)
+    time.sleep(1.0)
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130
+    assert err.strip().splitlines() == [f"{name}: interrupted; nothing written"], err
+    assert not run_dir.exists()
