@@ -571,7 +571,7 @@ def check_finite(step: int, *networks: nn.Module) -> None:
 
 class BehaviorPolicy:
     """beta(a|s) = (1-eps) 1[a = argmax Q_b(s,.)] + eps/|A| from the behaviour network stored in the dataset
-    (INTERFACES.md), in float64 like collect_data.py so that near-ties resolve to the same action."""
+    (docs/formats.md), in float64 like collect_data.py so that near-ties resolve to the same action."""
 
     def __init__(self, weights: dict, epsilon: float):
         self.layers = [(torch.as_tensor(weights[f"w{i}"], dtype=torch.float64),

@@ -3,7 +3,7 @@
 
     python benchmark/aggregate.py benchmark/results/table1            # writes benchmark/results/table1/report/
 
-Reads every ``result.json`` below RESULTS_DIR (INTERFACES.md schema). Seeds of one configuration are the
+Reads every ``result.json`` below RESULTS_DIR (docs/formats.md schema). Seeds of one configuration are the
 sibling ``seed<k>`` run directories written by run_grid.py (results laid out differently are grouped by
 their hyperparameters instead). When several configurations of an algorithm exist for a (task, epsilon)
 cell -- a sweep -- the one with the highest mean final score is reported, as in the paper, and the

@@ -58,7 +58,7 @@ ENV_RENAMES = {"LunarLander-v2": "LunarLander-v3"}
 PAPER_EPSILONS = (0.05, 0.15, 0.25, 0.5, 1.0)
 PAPER_SEEDS = (1, 2, 3, 4, 5)
 
-# Common flags every script accepts (INTERFACES.md), in their python (underscore) spelling.
+# Common flags every script accepts (docs/formats.md), in their python (underscore) spelling.
 COMMON_FLAGS = {
     "env_id", "epsilon", "seed", "total_steps", "eval_frequency", "eval_episodes", "eval_seed",
     "dataset_path", "learning_rate", "batch_size", "gamma", "target_update_frequency", "tau",
@@ -318,7 +318,7 @@ def check_result(path: Path, cell: Cell | None = None, requested: dict | None = 
 # datasets
 # --------------------------------------------------------------------------------------------
 def dataset_path(repo: Path, env_id: str, epsilon: float) -> Path:
-    """Default dataset location of the scripts (INTERFACES.md)."""
+    """Default dataset location of the scripts (docs/formats.md)."""
     return Path(repo) / "datasets" / f"{env_id}_eps{float(epsilon):g}.npz"
 
 

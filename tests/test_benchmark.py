@@ -25,7 +25,7 @@ import run_grid  # noqa: E402
 from run_grid import ALGORITHMS, Cell, expand_grid  # noqa: E402
 
 FAKE_ALGO = textwrap.dedent('''
-    """Fake algorithm script honouring the INTERFACES.md flags and result.json schema."""
+    """Fake algorithm script honouring the common flags (docs/formats.md) and result.json schema."""
     import argparse, json, os, sys, time
     p = argparse.ArgumentParser()
     p.add_argument("--env-id", required=True)

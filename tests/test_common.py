@@ -76,6 +76,8 @@ def test_end_to_end_result_and_tensorboard(name, datasets, tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     tags = EventAccumulator(str(events[0])).Reload().Tags()["scalars"]
     assert "eval/episodic_return" in tags and "charts/SPS" in tags and any(t.startswith("losses/") for t in tags)
+    documented = set(re.findall(r"`([a-z]+/[A-Za-z0-9_]+)`", (REPO / "docs" / "formats.md").read_text()))
+    assert set(tags) <= documented, f"TensorBoard tags missing from docs/formats.md: {set(tags) - documented}"
     assert not [p for p in (tmp_path / "r").iterdir() if p.suffix == ".tmp"]
 
     # The checkpoint evaluates on its own (no dataset) to the same return as the last evaluation.
