@@ -2,42 +2,21 @@
 
 The learned policy is the residual policy (paper Sec. 2)
     pi(a|s) = (1 - lambda(s,a)) beta(a|s) + lambda(s,a) rho(a|s),
-with beta the known behaviour policy of the batch, rho a candidate policy and lambda in [0,1] a
-state-action confidence constrained to sum_a lambda(s,a) (rho - beta)(a|s) = 0 so that pi is a
-distribution at every state. One gradient update (paper Algorithm 1, coordinate ascent):
+with beta the known behaviour policy of the batch, rho a candidate policy and lambda in [0,1] a state-action
+confidence constrained to sum_a lambda(s,a) (rho - beta)(a|s) = 0, so that pi is a distribution at every state.
+One gradient update (paper Algorithm 1, coordinate ascent):
   1. sample a minibatch (s, a, r, s') of the batch;
-  2. rho <- relative softmax of beta with the current confidence network lambda_phi (eq. relative_soft),
-     temperature tau_lambda(s) from the paper's kappa(s), rescaled (see temperature());
-  3. lambda-bar* <- argmax of the SAA lower bound over the minibatch (Sec. 5 "The Closed-form
-     Confidence"), solved exactly (see the solver comment: the paper's closed form is not usable), with the
-     same pessimistic advantage that built rho (solver_advantage);
-  4. one Adam step of lambda_phi on the KL distribution-fitting loss towards (1-lambda-bar*) beta +
-     lambda-bar* rho ("Learning the Confidence"); lambda_phi ends in an exact projection layer
-     (eq. optimize_lambda) so it is feasible at ANY state (the loss and its gradient through the
-     projection are computed in numpy for speed: confidence_fit);
+  2. rho <- relative softmax of beta with the current confidence network lambda_phi (eq. relative_soft);
+  3. lambda-bar* <- argmax of the SAA lower bound over the minibatch (Sec. 5, "The Closed-form Confidence"),
+     solved exactly (solve_confidence);
+  4. one Adam step of lambda_phi on the KL fitting loss towards (1 - lambda-bar*) beta + lambda-bar* rho
+     ("Learning the Confidence"); lambda_phi ends in an exact projection layer (eq. optimize_lambda), so it is
+     feasible at any state;
   5. one critic step towards r + gamma V(s'), V = (1-mu) E_beta Q' + mu max Q' (Algorithm 1, line 6);
   6. soft target update.
-The critic supplies the weighted advantage W = Q - V (appendix "Practical Implementation Details").
-
-What the reported lower bound (extra.lower_bound, losses/lower_bound) does and does not guarantee:
-  * it is the paper's SAA estimate L = L' - (1-mu) L'' L''' on dataset states. Theorem 2's bound has
-    max_{s0} L'''(s0); the paper (and we) replace the max by an expectation (eq. saddle_point_approx),
-    which is NOT a bound any more: it is an approximation whose gap is not quantified;
-  * with mu > 0 the advantage is the mu-weighted W of the appendix, estimated by a critic that mixes
-    SARSA-like and Q-learning targets; the bound of Theorem 2 holds for A_beta (mu = 0) and the
-    mu-version needs A_pi; at mu = 0.9 (paper's choice) it is mostly a Q-learning advantage;
-  * the critic's estimation error, the finite sample and the generalisation of lambda_phi outside the
-    minibatch are not accounted for anywhere. So L > 0 is evidence, not a guarantee, of improvement;
-    MM properties L = 0 at lambda = 0 and at rho = beta hold exactly (tested).
-
-Improvement certificate (ours): at every evaluation the batch's own logged returns give an estimate of the
-first-order improvement of pi over beta (the paper's L' with A_beta; the critic enters only as a control
-variate) with its standard error over the logged episodes, and its 95% lower confidence bound
-(improvement_certificate: what it certifies and what it does not). result.json -> extra.certificate,
-certificate_lcb, certified. The same certificate chooses what is deployed: pi is rebuilt from the trained
-networks at each pessimism level of --deploy-pessimism (default 1 and 0): pi as trained while certified, else a
-certified level, else the level nearest beta (main loop, "Deployed level"). --safety-test deploys (evaluates,
-saves) pi only while that bound is positive, beta otherwise.
+The critic supplies the weighted advantage W = Q - V (appendix "Practical Implementation Details"). Where and why
+this departs from the paper, what the reported bound and the improvement certificate do and do not guarantee:
+docs/brpo.md.
 
     python brpo.py --env-id Acrobot-v1 --epsilon 0.15
 """
@@ -71,36 +50,9 @@ from torch.utils.tensorboard import SummaryWriter
 
 REPO = Path(__file__).resolve().parent
 FORMAT_VERSION = 1
-# Defaults of the temperature remedy (paper, end of Sec. 5), of the candidate's pessimism and of the bound's
-# penalty; the reasons (measured with docs/brpo.md's probe grids):
-# * Temperature. Without a remedy tau >= gamma / (2 - 2 gamma) = 49.5 (kappa >= 1) and rho stays within ~1%
-#   of beta: BRPO cannot move. kappa_max = 0.02 without decay gives tau = 0.99, constant over training, in
-#   units of the critic's mean action gap (--advantage-unit, our departure: the paper's tau is a pure number,
-#   W is not). A greedier rho (kappa_max 0.005, 0.001) gains more at eps = 1 but collapses to offline-DQN
-#   returns at eps = 0.05 (CartPole 9 .. 135 vs behaviour 249). Keeping the paper's state-dependent kappa(s)
-#   at a usable scale (--kappa-max inf --kappa-scale 0.02) is safe on near-deterministic data but gives up most
-#   of the gains where the data are rich (CartPole eps = 1, 100k updates: 25 against 115, behaviour 22).
-# * pessimism = 1: inside the candidate, W(s, a) is lowered by pessimism / sqrt(beta(a|s)) advantage units (our
-#   departure, see candidate()). Without it, on near-deterministic CartPole data the mu = 0.9 critic claims
-#   large advantages for actions the behaviour policy rarely takes in states the batch covers thinly (near the
-#   track's edge: +2.8 units for the push that drives the cart out), rho follows, and BRPO ended below the
-#   behaviour policy at 100k updates (CartPole eps 0.05, seeds 1-2: 258 and 221 against 248 for the behaviour
-#   policy on the same start states). With it: 248 and 246; elsewhere the gains stay (CartPole eps = 1: 116,
-#   eps = 0.5: 237 against 123; Acrobot eps = 0.5: -125 against -186; LunarLander eps = 0.5: 25 against -27).
-#   Its drift of beta's exploration mass to the most frequent action is where most low-eps gains come from: a
-#   symmetric lower confidence bound (moving mass from a rare action costs as much as moving it to one) keeps
-#   pi = beta there and lost Acrobot's and LunarLander's gains (docs/brpo.md, "Pessimism in both directions").
-#   The solver's objective sees the same correction, centred under beta (solver_advantage): judged by the
-#   critic's raw W, lambda-bar* undid the pessimistic move wherever the critic claimed the rare action better,
-#   and BRPO ended ~5 below the behaviour policy on CartPole eps 0.25 (400 start states, both seeds).
-# * penalty_scale = 0.1: the paper's SAA penalty (1 - mu) gamma / (1 - gamma)^2 L'' L''' lets lambda-bar*
-#   move pi only about (1 - gamma) / (4 gamma (1 - mu)) = 2.5% in total variation from beta (CartPole
-#   eps = 1, raw-unit tau 0.99: 32 at scale 1, 101 at 0.1, 132 at 0.01); 0.1 leaves a ~25% budget in which
-#   lambda-bar* still chooses (mean lambda 0.47 - 0.98 on the eps >= 0.25 datasets). Like TRPO replacing
-#   CPI's theoretical coefficient by a tunable step size; 0.01 switches the penalty off (lambda = 1).
-# * mu stays at the paper's 0.9 (the critic of Algorithm 1). Its cost is the mostly-Q-learning critic's
-#   overvaluation of actions the batch barely contains, which the pessimism term above answers; --mu 0.1 (a
-#   critic close to Q_beta) is the other answer but gives up most of the gains elsewhere (docs/brpo.md).
+# Our defaults where the paper's settings leave BRPO at beta (docs/brpo.md, "Departures from the paper"): a
+# constant temperature 0.99 in advantage units (kappa capped at 0.02), a candidate pessimistic about actions
+# the batch rarely shows (pessimism 1), and the bound's penalty scaled by 0.1 (Args.penalty_scale).
 KAPPA_MAX_DEFAULT = 0.02
 PESSIMISM_DEFAULT = 1.0
 
@@ -154,9 +106,9 @@ class Args:
     confidence_learning_rate: float = 1e-4
     """Adam learning rate of the confidence network lambda_phi (paper: 1e-4)"""
     kappa_max: float = KAPPA_MAX_DEFAULT
-    """cap of the temperature's kappa: kappa <- min(kappa_max, kappa) (paper, end of Sec. 5); <= 1: constant tau"""
+    """cap of the temperature's kappa: kappa <- min(kappa_max, kappa) (paper, end of Sec. 5); <= 1: a constant temperature"""
     kappa_decay: float = 1.0
-    """temperature decay kappa <- kappa * kappa_decay**k, k = number of updates done (paper, end of Sec. 5)"""
+    """temperature decay kappa <- kappa * kappa_decay**n after n updates (paper, end of Sec. 5)"""
     kappa_scale: float = 1.0
     """constant factor on kappa (ours): with --kappa-max inf, the paper's state-dependent kappa(s) at a usable scale"""
     pessimism: float = PESSIMISM_DEFAULT
@@ -355,7 +307,7 @@ class QNetwork(nn.Module):
 # ---------------------------------------------------------------------------------------------
 LOG_CLAMP = 1e-12  # floor inside logs of probabilities: exact zeros (eps=0) must give 0*log0 = 0, not NaN
 W_CLAMP = 1e100  # |W| cap before squaring in kappa: W^2 must stay finite in float64
-TAU_MIN = 1e-200  # smallest temperature (see temperature())
+TEMP_MIN = 1e-200  # smallest temperature (see temperature())
 UNIT_RATE = 0.01  # running-average rate of the advantage unit (about the last 100 updates)
 UNIT_MIN = 1e-8  # floor of the advantage unit: a constant critic (all gaps 0) must not divide by 0
 BETA_MIN = 1e-12  # floor of beta in the pessimism term (beta = 0 actions get rho = 0 from log beta anyway)
@@ -414,17 +366,17 @@ def kappa(log_beta: np.ndarray, g2: np.ndarray) -> np.ndarray:
     return 1.0 + logsumexp(log_beta + g2)
 
 
-def temperature(beta, lam, w, gamma, kappa_scale, kappa_max, kappa_decay, k, log_beta=None):
+def temperature(beta, lam, w, gamma, kappa_scale, kappa_max, kappa_decay, n_updates, log_beta=None):
     """tau_lambda(s) = gamma * max{kappa_lambda(s), kappa_{|W| lambda}(s)} / (2 - 2 gamma) (eq. relative_soft),
-    with kappa <- kappa_scale * min(kappa_max, kappa) * kappa_decay**k, k = number of updates done.
+    with kappa <- kappa_scale * min(kappa_max, kappa) * kappa_decay**n_updates.
 
-    Why a remedy is needed: kappa >= 1 always, so tau >= gamma / (2 - 2 gamma) = 49.5 at gamma = 0.99 while
-    advantages are O(1) (in action-gap units, see advantage_unit): lambda W / tau ~ 1e-2 and rho equals beta to
+    Why a remedy is needed: kappa >= 1 always, so temp >= gamma / (2 - 2 gamma) = 49.5 at gamma = 0.99 while
+    advantages are O(1) (in action-gap units, see advantage_unit): lambda W / temp ~ 1e-2 and rho equals beta to
     within ~1%, so BRPO could never move away from beta. The paper offers a cap (kappa_max) and a decay
     (kappa_decay); a cap below 1 binds at every state and leaves a constant temperature (our default). The
-    scale (ours) instead keeps the paper's kappa(s): tau grows like lambda^2 W^2 where the critic claims large
-    advantages, so lambda W / tau stays bounded (by 0.62 / (49.5 kappa_scale) for two equally likely actions;
-    tested). Defaults and the measurements behind them: KAPPA_MAX_DEFAULT."""
+    scale (ours) instead keeps the paper's kappa(s): temp grows like lambda^2 W^2 where the critic claims large
+    advantages, so lambda W / temp stays bounded (by 0.62 / (49.5 kappa_scale) for two equally likely actions;
+    tested). The defaults: docs/brpo.md."""
     if kappa_max <= 1.0:  # both kappas are >= 1 (log E exp(g^2) >= 0): the cap binds at every state
         kap = np.full(beta.shape[0], kappa_max)
     else:
@@ -433,17 +385,17 @@ def temperature(beta, lam, w, gamma, kappa_scale, kappa_max, kappa_decay, k, log
         # kappa_lambda and kappa_{|W| lambda} in one log-space pass (see kappa)
         both = kappa(lb, np.stack([lam2, lam2 * np.square(np.minimum(np.abs(w), W_CLAMP))]))
         kap = np.minimum(np.maximum(both[0], both[1]), kappa_max)
-    # floor: a decayed kappa may underflow to 0; with |W| <= W_CLAMP, lambda W / tau stays <= 1e300 (finite)
-    return np.maximum(gamma * kap * (kappa_scale * kappa_decay**k) / (2.0 - 2.0 * gamma), TAU_MIN)
+    # floor: a decayed kappa may underflow to 0; with |W| <= W_CLAMP, lambda W / temp stays <= 1e300 (finite)
+    return np.maximum(gamma * kap * (kappa_scale * kappa_decay**n_updates) / (2.0 - 2.0 * gamma), TEMP_MIN)
 
 
-def candidate_policy(beta, lam, w, tau, log_beta=None):
-    """Relative softmax rho(a|s) ∝ beta(a|s) exp(lambda(s,a) W(s,a) / tau(s)) (paper eq. relative_soft), as a
-    softmax of log beta + lambda W / tau: beta = 0 gives rho = 0 exactly; huge advantages or a tiny
+def candidate_policy(beta, lam, w, temp, log_beta=None):
+    """Relative softmax rho(a|s) ∝ beta(a|s) exp(lambda(s,a) W(s,a) / temp(s)) (paper eq. relative_soft, temp = tau_lambda), as a
+    softmax of log beta + lambda W / temp: beta = 0 gives rho = 0 exactly; huge advantages or a tiny
     temperature give a (near) one-hot rho, never inf/NaN. float64 numpy (no gradient flows through rho:
     coordinate ascent holds rho fixed while lambda is fitted)."""
     w = clip(w, -W_CLAMP, W_CLAMP)
-    logits = (log_probs(beta) if log_beta is None else log_beta) + lam * w / tau[:, None]
+    logits = (log_probs(beta) if log_beta is None else log_beta) + lam * w / temp[:, None]
     e = np.exp(logits - row_max(logits)[:, None])
     return e / row_sum(e)[:, None]
 
@@ -591,7 +543,7 @@ def penalty_weight(batch_size, gamma, mu, scale_penalty_by_mu=True):
 #     switches off at s = c_g / w_g: no vertex enumeration, no envelope sweep. |A| = 2 is the case of one
 #     generator (1, 1) per state; the paths are the same as the envelope sweep's (the envelope of a
 #     parallelepiped's vertices switches its generators off one by one).
-# (3) First-order optimality (lead's hint (ii), verified): grad f = c - kV u - kU v, so an optimum
+# (3) First-order optimality: grad f = c - kV u - kU v, so an optimum
 #     maximises the LINEAR function (c - a u - b v).lambda with (a, b) = (kV*, kU*) >= 0. For a ray
 #     (a, b) = s (alpha, beta_), s in [0, inf), the per-state LP maximiser is piecewise constant in s and
 #     changes at the breakpoints of the upper envelope of the lines c_m - s w_m (w = alpha u + beta_ v),
@@ -607,16 +559,11 @@ def penalty_weight(batch_size, gamma, mu, scale_penalty_by_mu=True):
 #     validated against exhaustive enumeration of all (vertex, edge) combinations on random small
 #     instances in tests/test_brpo.py (agreement to ~1e-8 typically; the test demands 1e-4), and a grid
 #     alone is NOT enough (it misses the optimum by up to 80% on ~4% of the instances).
-#     Why not the lead's hint (iii) (1-D search over t = U with an LP dual in eta): it is exact only if
-#     the outer 1-D function is searched exhaustively, which needs its breakpoints, i.e. the same sweep.
 # (4) The result is compared with lambda = 0 and the best constant lambda (both always feasible because
 #     sum_a d_a = 0) and the best of all is returned, so the solver is never worse than either.
-# Cost: two vectorised passes of O(K |B| M J) numpy float64 work (K rays, M candidates after pruning, J
-# envelope pieces), where only the states that are not parallelepipeds go through the envelope sweep (the
-# Python loop over J is per-call numpy overhead, so it pays to keep it to those few states). Measured per
-# call on minibatches captured from training (|B| = 64, one thread, best of 9): ~0.11 ms for |A| = 2
-# (CartPole), ~0.18 ms for |A| = 3 (Acrobot), ~0.9 ms for |A| = 4 (LunarLander, where ~1/6 .. 1/2 of the
-# states have two coordinates of each sign); inside the training loop, with cold caches, ~1.5x that.
+# Cost: two vectorised passes of O(K |B| M J) numpy float64 work (K rays, M candidates after pruning, J envelope
+# pieces); only the states that are not parallelepipeds go through the envelope sweep, whose Python loop over J
+# is per-call overhead. LunarLander (|A| = 4, states with two coordinates of each sign) is the slowest task.
 _PATTERN_CACHE: dict = {}
 
 
@@ -1147,7 +1094,7 @@ def sqrt_floored(beta: np.ndarray) -> np.ndarray:
 
 
 def candidate(beta, lam_tilde, w, args, n_updates, unit, log_beta=None, sqrt_beta=None):
-    """rho from the current confidence (coordinate ascent, Sec. 5): tau from kappa, then relative softmax of a
+    """rho from the current confidence (coordinate ascent, Sec. 5): the temperature from kappa, then relative softmax of a
     pessimistic W. Takes and returns float64 numpy arrays.
 
     Pessimism (--pessimism, our departure): the critic's error at (s, a) shrinks like 1 / sqrt(n(s, a)), and in
@@ -1165,9 +1112,9 @@ def candidate(beta, lam_tilde, w, args, n_updates, unit, log_beta=None, sqrt_bet
     w = w / max(unit, UNIT_MIN) if args.advantage_unit else w
     if args.pessimism > 0:  # beta = 0: rho = 0 there anyway (log beta = -inf); the floor only avoids 1 / 0
         w = w - args.pessimism / (sqrt_floored(beta) if sqrt_beta is None else sqrt_beta)
-    tau = temperature(beta, lam_tilde, w, args.gamma, args.kappa_scale, args.kappa_max, args.kappa_decay, n_updates,
-                      log_beta)
-    return candidate_policy(beta, lam_tilde, w, tau, log_beta), tau
+    temp = temperature(beta, lam_tilde, w, args.gamma, args.kappa_scale, args.kappa_max, args.kappa_decay, n_updates,
+                       log_beta)
+    return candidate_policy(beta, lam_tilde, w, temp, log_beta), temp
 
 
 def solver_advantage(w, beta, args, unit, sqrt_beta=None):
@@ -1470,7 +1417,7 @@ def train(args: Args, data: dict, dataset_path: Path, run_dir: Path, writer: Opt
         lam_tilde = confidence(s)  # float32, in the graph
         lam_np = lam_tilde.detach().numpy().astype(np.float64)
         sqrt_beta = sqrt_behavior_probs[idx_np]
-        rho_np, tau = candidate(beta_np, lam_np, w_np, args, step - 1, unit,
+        rho_np, temp = candidate(beta_np, lam_np, w_np, args, step - 1, unit,
                                 log_behavior_probs[idx_np], sqrt_beta)  # eq. relative_soft
         d = rho_np - beta_np
         # lambda-bar* judges rho's move by the same lower confidence bound on the advantage that built rho
@@ -1497,7 +1444,7 @@ def train(args: Args, data: dict, dataset_path: Path, run_dir: Path, writer: Opt
             writer.add_scalar("confidence/advantage_unit", unit, step)
             writer.add_scalar("losses/confidence_loss", confidence_loss, step)
             writer.add_scalar("confidence/mean_lambda_star", float(lam_star.mean()), step)
-            writer.add_scalar("confidence/mean_tau", float(tau.mean()), step)
+            writer.add_scalar("confidence/mean_temperature", float(temp.mean()), step)
             star = lower_bound_terms(beta, torch.from_numpy(rho_np), torch.from_numpy(lam_star), torch.from_numpy(w_np),
                                      args.gamma, args.mu, args.penalty_one_minus_mu)[0]
             writer.add_scalar("losses/lower_bound_star", star, step)

@@ -1,27 +1,13 @@
 """BRPO-C: BRPO with a constant confidence (Sohn et al., IJCAI 2020, Sec. "Experimental Results").
 
-The residual policy pi(a|s) = (1 - lam) beta(a|s) + lam rho(a|s) with a constant lam (--lam, paper's
-grid 0.25 .. 0.75, final 0.5): a constant confidence always satisfies sum_a lam (rho - beta) = 0, so
-there is no confidence solver, no confidence network and no projection layer. Everything else is
-brpo.py line for line (`diff brpo.py brpo_c.py` shows only the confidence): rho is the relative
-softmax with lambda = lam (eq. relative_soft, same temperature remedy), the critic and W are the
-mu-mixed ones of Algorithm 1. One gradient update:
+The residual policy pi(a|s) = (1 - lam) beta(a|s) + lam rho(a|s) with a constant lam (--lam, paper's grid
+0.25 .. 0.75, final 0.5): a constant confidence always satisfies sum_a lam (rho - beta) = 0, so there is no
+confidence solver, no confidence network and no projection layer. Everything else is brpo.py line for line
+(`diff brpo.py brpo_c.py` shows only the confidence): rho is the relative softmax with lambda = lam
+(eq. relative_soft, same temperature), the critic and W are the mu-mixed ones of Algorithm 1. One update:
   1. sample a minibatch; 2. one critic step towards r + gamma V(s'), V = (1-mu) E_beta Q' + mu max Q';
   3. soft target update. rho (and so pi) follows the critic at every state through W = Q - V.
-The improvement certificate, the deployed pessimism level it chooses (--deploy-pessimism) and the --safety-test
-option are brpo.py's (improvement_certificate): the batch's own returns estimate pi's first-order improvement
-over beta, with a 95% lower confidence bound.
-
-What the reported lower bound (extra.lower_bound, losses/lower_bound) does and does not guarantee:
-  * it is the paper's SAA estimate L = L' - (1-mu) L'' L''' on dataset states. Theorem 2's bound has
-    max_{s0} L'''(s0); the paper (and we) replace the max by an expectation (eq. saddle_point_approx),
-    which is NOT a bound any more: it is an approximation whose gap is not quantified;
-  * with mu > 0 the advantage is the mu-weighted W of the appendix, estimated by a critic that mixes
-    SARSA-like and Q-learning targets; the bound of Theorem 2 holds for A_beta (mu = 0) and the
-    mu-version needs A_pi; at mu = 0.9 (paper's choice) it is mostly a Q-learning advantage;
-  * the critic's estimation error, the finite sample and the generalisation of lambda_phi outside the
-    minibatch are not accounted for anywhere. So L > 0 is evidence, not a guarantee, of improvement;
-    MM properties L = 0 at lambda = 0 and at rho = beta hold exactly (tested).
+Departures from the paper, the reported bound and the improvement certificate: docs/brpo.md.
 
     python brpo_c.py --env-id Acrobot-v1 --epsilon 0.15 --lam 0.5
 """
@@ -55,25 +41,9 @@ from torch.utils.tensorboard import SummaryWriter
 
 REPO = Path(__file__).resolve().parent
 FORMAT_VERSION = 1
-# Defaults of the temperature remedy (paper, end of Sec. 5) and of the candidate's pessimism; the reasons
-# (measured with docs/brpo.md's probe grids):
-# * Temperature. Without a remedy tau >= gamma / (2 - 2 gamma) = 49.5 (kappa >= 1) and rho stays within ~1%
-#   of beta: BRPO cannot move. kappa_max = 0.02 without decay gives tau = 0.99, constant over training, in
-#   units of the critic's mean action gap (--advantage-unit, our departure: the paper's tau is a pure number,
-#   W is not). A greedier rho (kappa_max 0.005, 0.001) gains more at eps = 1 but collapses to offline-DQN
-#   returns at eps = 0.05 (CartPole 9 .. 135 vs behaviour 249). Keeping the paper's state-dependent kappa(s)
-#   at a usable scale (--kappa-max inf --kappa-scale 0.02) is safe on near-deterministic data but gives up most
-#   of the gains where the data are rich (CartPole eps = 1, 100k updates: 25 against 115, behaviour 22).
-# * pessimism = 1: inside the candidate, W(s, a) is lowered by pessimism / sqrt(beta(a|s)) advantage units (our
-#   departure, see candidate()). Without it, on near-deterministic CartPole data the mu = 0.9 critic claims
-#   large advantages for actions the behaviour policy rarely takes in states the batch covers thinly (near the
-#   track's edge: +2.8 units for the push that drives the cart out), rho follows, and BRPO ended below the
-#   behaviour policy at 100k updates (CartPole eps 0.05, seeds 1-2: 258 and 221 against 248 for the behaviour
-#   policy on the same start states). With it: 248 and 246; elsewhere the gains stay (CartPole eps = 1: 116,
-#   eps = 0.5: 237 against 123; Acrobot eps = 0.5: -125 against -186; LunarLander eps = 0.5: 25 against -27).
-#   Its drift of beta's exploration mass to the most frequent action is where most low-eps gains come from: a
-#   symmetric lower confidence bound (moving mass from a rare action costs as much as moving it to one) keeps
-#   pi = beta there and lost Acrobot's and LunarLander's gains (docs/brpo.md, "Pessimism in both directions").
+# Our defaults where the paper's settings leave rho at beta (docs/brpo.md, "Departures from the paper"): a
+# constant temperature 0.99 in advantage units (kappa capped at 0.02) and a candidate pessimistic about
+# actions the batch rarely shows (pessimism 1).
 KAPPA_MAX_DEFAULT = 0.02
 PESSIMISM_DEFAULT = 1.0
 
@@ -127,9 +97,9 @@ class Args:
     lam: float = 0.5
     """constant confidence lambda in [0, 1] (paper's final value 0.5)"""
     kappa_max: float = KAPPA_MAX_DEFAULT
-    """cap of the temperature's kappa: kappa <- min(kappa_max, kappa) (paper, end of Sec. 5); <= 1: constant tau"""
+    """cap of the temperature's kappa: kappa <- min(kappa_max, kappa) (paper, end of Sec. 5); <= 1: a constant temperature"""
     kappa_decay: float = 1.0
-    """temperature decay kappa <- kappa * kappa_decay**k, k = number of updates done (paper, end of Sec. 5)"""
+    """temperature decay kappa <- kappa * kappa_decay**n after n updates (paper, end of Sec. 5)"""
     kappa_scale: float = 1.0
     """constant factor on kappa (ours): with --kappa-max inf, the paper's state-dependent kappa(s) at a usable scale"""
     pessimism: float = PESSIMISM_DEFAULT
@@ -323,7 +293,7 @@ class QNetwork(nn.Module):
 # ---------------------------------------------------------------------------------------------
 LOG_CLAMP = 1e-12  # floor inside logs of probabilities: exact zeros (eps=0) must give 0*log0 = 0, not NaN
 W_CLAMP = 1e100  # |W| cap before squaring in kappa: W^2 must stay finite in float64
-TAU_MIN = 1e-200  # smallest temperature (see temperature())
+TEMP_MIN = 1e-200  # smallest temperature (see temperature())
 UNIT_RATE = 0.01  # running-average rate of the advantage unit (about the last 100 updates)
 UNIT_MIN = 1e-8  # floor of the advantage unit: a constant critic (all gaps 0) must not divide by 0
 BETA_MIN = 1e-12  # floor of beta in the pessimism term (beta = 0 actions get rho = 0 from log beta anyway)
@@ -379,17 +349,17 @@ def kappa(log_beta: np.ndarray, g2: np.ndarray) -> np.ndarray:
     return 1.0 + logsumexp(log_beta + g2)
 
 
-def temperature(beta, lam, w, gamma, kappa_scale, kappa_max, kappa_decay, k, log_beta=None):
+def temperature(beta, lam, w, gamma, kappa_scale, kappa_max, kappa_decay, n_updates, log_beta=None):
     """tau_lambda(s) = gamma * max{kappa_lambda(s), kappa_{|W| lambda}(s)} / (2 - 2 gamma) (eq. relative_soft),
-    with kappa <- kappa_scale * min(kappa_max, kappa) * kappa_decay**k, k = number of updates done.
+    with kappa <- kappa_scale * min(kappa_max, kappa) * kappa_decay**n_updates.
 
-    Why a remedy is needed: kappa >= 1 always, so tau >= gamma / (2 - 2 gamma) = 49.5 at gamma = 0.99 while
-    advantages are O(1) (in action-gap units, see advantage_unit): lambda W / tau ~ 1e-2 and rho equals beta to
+    Why a remedy is needed: kappa >= 1 always, so temp >= gamma / (2 - 2 gamma) = 49.5 at gamma = 0.99 while
+    advantages are O(1) (in action-gap units, see advantage_unit): lambda W / temp ~ 1e-2 and rho equals beta to
     within ~1%, so BRPO could never move away from beta. The paper offers a cap (kappa_max) and a decay
     (kappa_decay); a cap below 1 binds at every state and leaves a constant temperature (our default). The
-    scale (ours) instead keeps the paper's kappa(s): tau grows like lambda^2 W^2 where the critic claims large
-    advantages, so lambda W / tau stays bounded (by 0.62 / (49.5 kappa_scale) for two equally likely actions;
-    tested). Defaults and the measurements behind them: KAPPA_MAX_DEFAULT."""
+    scale (ours) instead keeps the paper's kappa(s): temp grows like lambda^2 W^2 where the critic claims large
+    advantages, so lambda W / temp stays bounded (by 0.62 / (49.5 kappa_scale) for two equally likely actions;
+    tested). The defaults: docs/brpo.md."""
     if kappa_max <= 1.0:  # both kappas are >= 1 (log E exp(g^2) >= 0): the cap binds at every state
         kap = np.full(beta.shape[0], kappa_max)
     else:
@@ -398,17 +368,17 @@ def temperature(beta, lam, w, gamma, kappa_scale, kappa_max, kappa_decay, k, log
         # kappa_lambda and kappa_{|W| lambda} in one log-space pass (see kappa)
         both = kappa(lb, np.stack([lam2, lam2 * np.square(np.minimum(np.abs(w), W_CLAMP))]))
         kap = np.minimum(np.maximum(both[0], both[1]), kappa_max)
-    # floor: a decayed kappa may underflow to 0; with |W| <= W_CLAMP, lambda W / tau stays <= 1e300 (finite)
-    return np.maximum(gamma * kap * (kappa_scale * kappa_decay**k) / (2.0 - 2.0 * gamma), TAU_MIN)
+    # floor: a decayed kappa may underflow to 0; with |W| <= W_CLAMP, lambda W / temp stays <= 1e300 (finite)
+    return np.maximum(gamma * kap * (kappa_scale * kappa_decay**n_updates) / (2.0 - 2.0 * gamma), TEMP_MIN)
 
 
-def candidate_policy(beta, lam, w, tau, log_beta=None):
-    """Relative softmax rho(a|s) ∝ beta(a|s) exp(lambda(s,a) W(s,a) / tau(s)) (paper eq. relative_soft), as a
-    softmax of log beta + lambda W / tau: beta = 0 gives rho = 0 exactly; huge advantages or a tiny
+def candidate_policy(beta, lam, w, temp, log_beta=None):
+    """Relative softmax rho(a|s) ∝ beta(a|s) exp(lambda(s,a) W(s,a) / temp(s)) (paper eq. relative_soft, temp = tau_lambda), as a
+    softmax of log beta + lambda W / temp: beta = 0 gives rho = 0 exactly; huge advantages or a tiny
     temperature give a (near) one-hot rho, never inf/NaN. float64 numpy (no gradient flows through rho:
     coordinate ascent holds rho fixed while lambda is fitted)."""
     w = clip(w, -W_CLAMP, W_CLAMP)
-    logits = (log_probs(beta) if log_beta is None else log_beta) + lam * w / tau[:, None]
+    logits = (log_probs(beta) if log_beta is None else log_beta) + lam * w / temp[:, None]
     e = np.exp(logits - row_max(logits)[:, None])
     return e / row_sum(e)[:, None]
 
@@ -637,7 +607,7 @@ def sqrt_floored(beta: np.ndarray) -> np.ndarray:
 
 
 def candidate(beta, lam_tilde, w, args, n_updates, unit, log_beta=None, sqrt_beta=None):
-    """rho from the current confidence (coordinate ascent, Sec. 5): tau from kappa, then relative softmax of a
+    """rho from the current confidence (coordinate ascent, Sec. 5): the temperature from kappa, then relative softmax of a
     pessimistic W. Takes and returns float64 numpy arrays.
 
     Pessimism (--pessimism, our departure): the critic's error at (s, a) shrinks like 1 / sqrt(n(s, a)), and in
@@ -655,9 +625,9 @@ def candidate(beta, lam_tilde, w, args, n_updates, unit, log_beta=None, sqrt_bet
     w = w / max(unit, UNIT_MIN) if args.advantage_unit else w
     if args.pessimism > 0:  # beta = 0: rho = 0 there anyway (log beta = -inf); the floor only avoids 1 / 0
         w = w - args.pessimism / (sqrt_floored(beta) if sqrt_beta is None else sqrt_beta)
-    tau = temperature(beta, lam_tilde, w, args.gamma, args.kappa_scale, args.kappa_max, args.kappa_decay, n_updates,
-                      log_beta)
-    return candidate_policy(beta, lam_tilde, w, tau, log_beta), tau
+    temp = temperature(beta, lam_tilde, w, args.gamma, args.kappa_scale, args.kappa_max, args.kappa_decay, n_updates,
+                       log_beta)
+    return candidate_policy(beta, lam_tilde, w, temp, log_beta), temp
 
 
 def policy_probs(obs, beta, q_network, confidence, args, n_updates, unit):
