@@ -88,8 +88,8 @@ def run_script(script: str, args: Args, steps: int, eval_frequency: int, eval_ep
     name = f"{Path(script).stem}_{steps}_{eval_frequency}"
     cmd = [sys.executable, str(REPO / script), "--env-id", args.env_id, "--epsilon", f"{args.epsilon:g}",
            "--total-steps", str(steps), "--eval-frequency", str(eval_frequency), "--eval-episodes", str(eval_episodes),
-           "--runs-dir", str(out), "--run-name", name, "--no-tensorboard", "--threads", "1"]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+           "--runs-dir", str(out), "--run-name", name, "--no-tensorboard", "--threads", "1", "--overwrite"]
+    proc = subprocess.run(cmd, capture_output=True, text=True)  # --overwrite: repeats reuse the run name
     if proc.returncode != 0:
         print(f"  {script} failed: {proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else proc.returncode}")
         return None
