@@ -153,6 +153,8 @@ def make_env(env_id: str) -> gym.Env:
         fail(f"environment {env_id!r} needs a missing package ({e}); pip install 'gymnasium[box2d]'")
     if not isinstance(env.action_space, gym.spaces.Discrete):
         fail(f"{env_id} has a {type(env.action_space).__name__} action space; only discrete actions are supported")
+    if not isinstance(env.observation_space, gym.spaces.Box) or len(env.observation_space.shape) != 1:
+        fail(f"{env_id} has {env.observation_space} observations; only vector observations (a 1-D Box) are supported")
     return env
 
 

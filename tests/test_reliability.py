@@ -105,6 +105,7 @@ BAD_ARGS = {
     "huge evaluation": (dict(eval_episodes=10**7), "--eval-episodes"),
     "batch beyond the data": (dict(batch_size=10**8), "--batch-size"),
     "no behaviour policy": (dict(env_id="MountainCar-v0", dataset_path=None), "no dataset for MountainCar-v0"),
+    "observations not a vector": (dict(env_id="FrozenLake-v1", dataset_path=None), "only vector observations"),
 }
 
 
