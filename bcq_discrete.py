@@ -41,9 +41,17 @@ import sys
 import tempfile
 import threading
 import time
+import warnings
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Optional
+
+if __name__ == "__main__":  # an interrupt while the libraries below load has nothing to clean up: one line, exit 130
+    def _interrupted(*_):
+        print(f"{Path(sys.argv[0]).name}: interrupted; nothing written", file=sys.stderr)
+        os._exit(130)
+    signal.signal(signal.SIGINT, _interrupted)
+    signal.signal(signal.SIGTERM, _interrupted)
 
 import gymnasium as gym
 import numpy as np
@@ -107,7 +115,7 @@ class Args:
 
 def fail(msg: str) -> None:
     """One line on stderr, exit status 1, no traceback."""
-    raise SystemExit(f"{Path(sys.argv[0]).name}: error: {msg}")
+    raise SystemExit(f"{Path(sys.argv[0]).name}: error: {msg}".replace("\n", "\\n"))
 
 
 def check_args(args: Args) -> None:
@@ -120,8 +128,12 @@ def check_args(args: Args) -> None:
             fail(f"--{name.replace('_', '-')} must lie in [0, 2**32), got {getattr(args, name)}")
     for name in ("run_name", "exp_name"):  # a run directory is <runs-dir>/<one name>, never outside it
         value = getattr(args, name)
-        if value is not None and (value in ("", ".", "..") or any(c in value for c in "/\\\0")):
-            fail(f"--{name.replace('_', '-')} must be a single directory name (no '/', not '..'), got {value!r}")
+        if value is not None and (value in ("", ".", "..") or any(c in value for c in "/\\") or not value.isprintable()):
+            fail(f"--{name.replace('_', '-')} must be a single directory name of printable characters (no '/', not "
+                 f"'..'), got {value!r}")
+    for name in ("dataset_path", "eval_checkpoint", "runs_dir"):
+        if getattr(args, name) == "":
+            fail(f"--{name.replace('_', '-')} must not be empty")
     if not 1 <= args.threads <= (os.cpu_count() or 1):
         fail(f"--threads must lie in [1, {os.cpu_count()}] (the cores of this machine), got {args.threads}")
     positive = ("total_steps", "batch_size", "target_update_frequency", "eval_frequency", "eval_episodes")
@@ -146,7 +158,9 @@ def make_env(env_id: str) -> gym.Env:
     if env_id == "LunarLander-v2":
         fail("LunarLander-v2 is not registered in gymnasium 1.x; use --env-id LunarLander-v3")
     try:
-        env = gym.make(env_id, disable_env_checker=True)
+        with warnings.catch_warnings():  # e.g. gymnasium's deprecation notice: the error, if any, says enough
+            warnings.simplefilter("ignore")
+            env = gym.make(env_id, disable_env_checker=True)
     except gym.error.Error as e:
         fail(f"cannot make environment {env_id!r}: {e}")
     except ModuleNotFoundError as e:
@@ -202,7 +216,11 @@ def load_dataset(args: Args, obs_dim: int, n_actions: int) -> tuple[Path, dict]:
             fail(f"dataset {path} has format version {int(x)}, expected {FORMAT_VERSION}; recreate it with: {how}")
         if k == "env_id" and str(x) != args.env_id:
             fail(f"dataset {path} was recorded on {x}, not {args.env_id}; pass --env-id {x} or another dataset")
+        if k == "epsilon" and not 0.0 <= float(x) <= 1.0:
+            fail(f"dataset {path} has epsilon {float(x)}, outside [0, 1]; recreate it with: {how}")
         if k == "epsilon" and not np.isclose(float(x), args.epsilon):
+            fail(f"dataset {path} was collected with epsilon {float(x):g}, not {args.epsilon:g}; pass --epsilon {float(x):g}")
+
             fail(f"dataset {path} was collected with epsilon {float(x):g}, not {args.epsilon:g}; pass --epsilon {float(x):g}")
         if k == "actions" and (x.ndim != 1 or len(x) == 0):
             fail(f"dataset {path}: actions has shape {x.shape}, expected (N,) with N > 0 (one action index per "
@@ -213,10 +231,17 @@ def load_dataset(args: Args, obs_dim: int, n_actions: int) -> tuple[Path, dict]:
         if row is not None:
             with np.errstate(over="ignore"):  # float64 beyond float32's range becomes inf, refused below
                 d[k] = x.astype({"real": np.float32, "int": np.int64, "bool": bool}[kind], copy=False)
+            if x.dtype.kind in "iu" and not np.array_equal(d[k], x):
+                fail(f"dataset {path}: {k} holds integers that {d[k].dtype} cannot represent exactly; store them as "
+                     f"{d[k].dtype} (recreate it with: {how})")
     for k in ("observations", "next_observations", "rewards", "behavior_probs", "next_behavior_probs", "behavior_return"):
         if not np.isfinite(d[k]).all():
             fail(f"dataset {path}: {k} contains NaN or inf ({np.count_nonzero(~np.isfinite(d[k]))} values); recreate it with: {how}")
+    if (d["terminals"] & d["timeouts"]).any():
+        fail(f"dataset {path}: {np.count_nonzero(d['terminals'] & d['timeouts'])} transitions are both terminal and a "
+             f"time-limit truncation (timeouts must exclude terminals); recreate it with: {how}")
     if d["actions"].min() < 0 or d["actions"].max() >= n_actions:
+
         fail(f"dataset {path}: actions outside [0, {n_actions}); was it recorded on another task?")
     for k in ("behavior_probs", "next_behavior_probs"):
         if (d[k] < 0).any() or not np.allclose(d[k].sum(1), 1.0, atol=1e-4):
@@ -317,8 +342,10 @@ def write_atomic(path: Path, data: bytes) -> None:
 
 
 def write_json_atomic(path: Path, obj: dict) -> None:
+    # a flag may be inf on purpose (brpo's --kappa-max inf): JSON has no inf, so such a value is written as text
+    args = {k: str(v) if isinstance(v, float) and math.isinf(v) else v for k, v in obj.get("args", {}).items()}
     try:
-        text = json.dumps(obj, indent=1, allow_nan=False)
+        text = json.dumps({**obj, "args": args} if "args" in obj else obj, indent=1, allow_nan=False)
     except ValueError:
         fail(f"the run produced NaN or inf numbers (training diverged?); nothing written to {path.parent}")
     write_atomic(path, text.encode())
@@ -347,11 +374,13 @@ def run_directory(args: Args):
     run or a running one."""
     name = args.run_name or f"{args.env_id}__eps{args.epsilon:g}__{args.exp_name}__{args.seed}__{int(time.time())}"
     run_dir = Path(args.runs_dir) / name
+    created = [p for p in (run_dir, *run_dir.parents) if not p.exists()]  # removed again if the run fails
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
         fd = os.open(run_dir, os.O_RDONLY)
     except OSError as e:
-        fail(f"cannot create the run directory {run_dir} ({e.strerror}); pass a writable --runs-dir")
+        fail(f"cannot create the run directory {run_dir} ({e.strerror}); pass a writable --runs-dir and a valid "
+             f"--run-name")
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released when the process ends, however it ends
@@ -369,7 +398,8 @@ def run_directory(args: Args):
                 writer and writer.close()
             with contextlib.suppress(OSError):
                 remove_run_files(run_dir)
-                run_dir.rmdir()  # only if nothing else (e.g. run_grid.py's run.log) is in it
+                for p in dict.fromkeys([run_dir, *created]):  # only if empty (run_grid.py's run.log stays)
+                    p.rmdir()
             if isinstance(e, OSError):
                 fail(f"cannot write to {run_dir} ({e.strerror or e}); nothing of this run was kept")
             raise
@@ -394,7 +424,8 @@ def load_checkpoint(path: str, keys: dict) -> dict:
     missing = [k for k in keys if k not in ckpt]
     if missing:
         fail(f"checkpoint {path} lacks {missing}; save it again with --save-model")
-    wrong = [k for k, kind in keys.items() if not isinstance(ckpt[k], kind) or isinstance(ckpt[k], bool) != (kind is bool)]
+    wrong = [k for k, kind in keys.items() if not isinstance(ckpt[k], kind) or isinstance(ckpt[k], bool) != (kind is bool)
+             or (kind is int and not 0 <= ckpt[k] < 2**40) or (kind is float and not math.isfinite(ckpt[k]))]
     if wrong:
         fail(f"checkpoint {path}: {wrong} have the wrong type; save it again with --save-model")
     env = make_env(ckpt["env_id"])
@@ -406,6 +437,8 @@ def load_checkpoint(path: str, keys: dict) -> dict:
 
 def load_weights(path: str, network: nn.Module, state: dict) -> None:
     """Refuse, in one line, weights that do not fit the network or are not finite."""
+    if not all(isinstance(t, torch.Tensor) and t.dtype in (torch.float32, torch.float64) for t in state.values()):
+        fail(f"checkpoint {path} holds weights that are not float32 or float64 tensors")
     try:
         network.load_state_dict(state)
     except Exception as e:  # missing or unexpected keys, shapes of another network
@@ -449,7 +482,10 @@ def run_checkpoint(args: Args) -> None:
     envs = [make_env(ckpt["env_id"]) for _ in range(args.eval_episodes)]
     network = BCQNetwork(ckpt["obs_dim"], ckpt["n_actions"])
     load_weights(args.eval_checkpoint, network, ckpt["network"])
-    returns = evaluate(greedy_policy(network, log_threshold(threshold)), envs, args.eval_seed)
+    try:
+        returns = evaluate(greedy_policy(network, log_threshold(threshold)), envs, args.eval_seed)
+    except (RuntimeError, ValueError, OverflowError) as e:  # weights that load but give no policy (inf logits)
+        fail(f"checkpoint {args.eval_checkpoint} cannot be evaluated: {' '.join(str(e).split())}")
     print(f"{args.eval_checkpoint}: {ckpt['env_id']} return {returns.mean():.2f} +- {returns.std():.2f} over {len(returns)} episodes")
 
 
@@ -571,7 +607,8 @@ if __name__ == "__main__":
     # TensorBoard writes from a thread; its OSError (a full disk) surfaces again at the next write or flush, where
     # run_directory turns it into one line, so the thread's own traceback is not printed
     threading.excepthook = lambda a: None if issubclass(a.exc_type, OSError) else threading.__excepthook__(a)
-    signal.signal(signal.SIGTERM, signal.default_int_handler)  # a stopped run cleans up like an interrupted one
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # from here on, an interrupt removes what the run wrote
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # and a stopped run cleans up like an interrupted one
     try:
         main(tyro.cli(Args))
     except KeyboardInterrupt:

@@ -91,6 +91,21 @@ def resolve_algo(data: dict, path: Path) -> str | None:
     return None
 
 
+def malformed(data: dict) -> str | None:
+    """What makes a result that check_result accepts unusable here (fields of the wrong type, NaN)."""
+    def number(x):
+        return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+    if not number(data.get("epsilon")) or not isinstance(data.get("seed"), int) or isinstance(data["seed"], bool):
+        return "epsilon or seed is not a number"
+    if not all(isinstance(e.get("step"), int) and number(e.get("return_mean")) for e in data["evaluations"]):
+        return "an evaluation's step or return_mean is not a number"
+    if data.get("behavior_return") is not None and not number(data["behavior_return"]):
+        return "behavior_return is not a finite number"
+    if not isinstance(data.get("args") or {}, dict) or not isinstance(data.get("extra") or {}, dict):
+        return "args or extra is not an object"
+    return None
+
+
 def load_runs(root: Path) -> tuple[list[Run], list[tuple[Path, str]]]:
     runs, skipped = [], []
     for path in sorted(root.rglob(RESULT_FILE)):
@@ -102,8 +117,12 @@ def load_runs(root: Path) -> tuple[list[Run], list[tuple[Path, str]]]:
         algo = resolve_algo(data, path)
         env_id = data.get("env_id")
         eps = data.get("epsilon")
-        if algo is None or env_id is None or eps is None or data.get("seed") is None:
+        if algo is None or not isinstance(env_id, str) or eps is None or data.get("seed") is None:
             skipped.append((path, "cannot tell algorithm/env_id/epsilon/seed"))
+            continue
+        problem = malformed(data)
+        if problem:
+            skipped.append((path, problem))
             continue
         args = {norm_key(k): v for k, v in (data.get("args") or {}).items()}
         beh = data.get("behavior_return")
@@ -152,8 +171,9 @@ def load_runs_csv(path: Path) -> list[Run]:
             algo = by_label[row["algorithm"]]
             eps, seed, score = float(row["epsilon"]), int(row["seed"]), float(row["final_score"])
             beh = float(row["behavior_return"]) if row["behavior_return"] else None
-            if not math.isfinite(score) or (beh is not None and not math.isfinite(beh)):
-                raise ValueError("non-finite score")
+            eval_se = float(row["eval_se"]) if row.get("eval_se") else None
+            if not all(math.isfinite(x) for x in (eps, score, beh or 0.0, eval_se or 0.0)):
+                raise ValueError("non-finite number")
         except (KeyError, ValueError) as e:
             raise AggregateError(f"--merge-runs file '{path}', line {i}: bad row ({e}); fix or delete that line")
         env = ENV_RENAMES.get(row["env_id"], row["env_id"])
@@ -167,8 +187,7 @@ def load_runs_csv(path: Path) -> list[Run]:
                     pass
         runs.append(Run(path=path, env_id=env, epsilon=eps, algo=algo, seed=seed, final_score=score,
                         behavior_return=beh, steps=[], returns=[], args={}, extra=extra,
-                        group=f"dir:{env}/eps{fmt_value(eps)}/{config}",
-                        eval_se=float(row["eval_se"]) if row.get("eval_se") else None))
+                        group=f"dir:{env}/eps{fmt_value(eps)}/{config}", eval_se=eval_se))
     return runs
 
 
@@ -544,7 +563,7 @@ def write_atomic(path: Path, text: str) -> None:
 def read_invocations(root: Path) -> list[str]:
     commands = []
     for path in sorted(root.rglob("invocations.jsonl")):
-        for line in path.read_text().splitlines():
+        for line in path.read_text(errors="replace").splitlines():
             try:
                 c = json.loads(line).get("command")
             except (json.JSONDecodeError, AttributeError):

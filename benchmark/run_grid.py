@@ -86,6 +86,8 @@ def fmt_value(v) -> str:
 
 def parse_value(text: str):
     text = text.strip()
+    if text in ("True", "False", "true", "false"):
+        return text.lower() == "true"
     for cast in (int, float):
         try:
             return cast(text)
@@ -156,7 +158,11 @@ def build_command(cell: Cell, settings: dict, out: Path, python: str, threads: i
     cmd = [python, cell.script,
            "--env-id", cell.env_id, "--epsilon", fmt_value(float(cell.epsilon)), "--seed", str(cell.seed)]
     for key, value in cell_settings(cell, settings).items():
-        cmd += ["--" + key.replace("_", "-"), fmt_value(value)]
+        flag = "--" + key.replace("_", "-")
+        if isinstance(value, bool):  # the scripts' boolean flags are --flag / --no-flag
+            cmd.append(flag if value else "--no-" + flag[2:])
+        else:
+            cmd += [flag, format(value, ".15g") if isinstance(value, float) else str(value)]
     run_dir = cell.run_dir(out)  # a script's --run-name is one directory name: the rest goes to --runs-dir
     cmd += ["--threads", str(threads), "--runs-dir", str(run_dir.parent), "--run-name", run_dir.name]
     return cmd
@@ -169,9 +175,7 @@ def parse_sweep(spec: str, algos: list[str]) -> dict[str, dict[str, list]]:
         key, values = rest.split("=", 1)
     except ValueError:
         raise GridError(f"bad --sweep '{spec}' (expected ALGO:KEY=V1,V2,..., e.g. brpo_c:lam=0.25,0.5)") from None
-    vals = [parse_value(v) for v in values.split(",") if v.strip()]
-    if not vals:
-        raise GridError(f"bad --sweep '{spec}': no values")
+    vals = check_values([parse_value(v) for v in values.split(",") if v.strip()], f"bad --sweep '{spec}'")
     targets = algos if algo_part.strip() in ("all", "*") else [canonical_algo(algo_part)]
     return {a: {norm_key(key): vals} for a in targets}
 
@@ -182,8 +186,8 @@ def load_grid_file(path: Path, algos: list[str]) -> dict[str, dict[str, list]]:
         data = json.loads(Path(path).read_text())
     except FileNotFoundError:
         raise GridError(f"grid file '{path}' not found") from None
-    except json.JSONDecodeError as e:
-        raise GridError(f"grid file '{path}' is not valid JSON ({e})") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise GridError(f"grid file '{path}' is not a readable JSON file ({e})") from None
     table = data.get("algorithms") if isinstance(data, dict) else None
     if not isinstance(table, dict):
         raise GridError(f"grid file '{path}' has no \"algorithms\" object")
@@ -194,9 +198,19 @@ def load_grid_file(path: Path, algos: list[str]) -> dict[str, dict[str, list]]:
         targets = algos if name in ("all", "*") else [canonical_algo(name)]
         for a in targets:
             for key, values in params.items():
-                values = values if isinstance(values, list) else [values]
-                grid.setdefault(a, {})[norm_key(key)] = values
+                grid.setdefault(a, {})[norm_key(key)] = check_values(values if isinstance(values, list) else [values],
+                                                                     f"grid file '{path}', {name}.{key}")
     return grid
+
+
+def check_values(values: list, where: str) -> list:
+    """Sweep values are finite numbers, booleans or strings, at least one."""
+    if not values:
+        raise GridError(f"{where}: no values")
+    for v in values:
+        if not isinstance(v, (bool, int, float, str)) or (isinstance(v, float) and not math.isfinite(v)):
+            raise GridError(f"{where}: {v!r} is not a finite number, a boolean or a string")
+    return values
 
 
 def merge_grids(*grids: dict[str, dict[str, list]]) -> dict[str, dict[str, list]]:
@@ -411,8 +425,13 @@ class Runner:
         return env
 
     def _launch(self, job: Job) -> None:
-        job.log.parent.mkdir(parents=True, exist_ok=True)
-        job.log_handle = open(job.log, "w")
+        try:
+            job.log.parent.mkdir(parents=True, exist_ok=True)
+            job.log_handle = open(job.log, "w")
+        except OSError as e:  # e.g. a file where the run directory should be
+            print(f"cannot start {job.name}: cannot write {job.log} ({e.strerror})", file=sys.stderr)
+            job.proc = None
+            return
         now = datetime.datetime.now(datetime.timezone.utc)
         job.log_handle.write(f"# {now:%Y-%m-%d %H:%M:%S} UTC  cwd={self.repo}\n# {shlex.join(job.cmd)}\n")
         job.log_handle.flush()

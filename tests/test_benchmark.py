@@ -164,6 +164,10 @@ def test_command_format():
     assert "--env-id Acrobot-v1 --epsilon 0.15 --seed 3 --total-steps 20000 --mu 0.5 --threads 1" in text
     assert "--eval-frequency" not in text
     assert text.endswith("--runs-dir /o/Acrobot-v1/eps0.15/brpo__mu=0.5 --run-name seed3")
+    # boolean flags are --flag / --no-flag, as the scripts spell them
+    for value, flag in ((True, "--eval-greedy"), (False, "--no-eval-greedy")):
+        cell = Cell("CartPole-v1", 1.0, "bc", 1, (("eval_greedy", value),))
+        assert flag in run_grid.build_command(cell, {}, Path("/o"), "python", 1)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -178,6 +182,8 @@ def test_command_format():
     (["--sweep", "brpo:lam=0.5"], "--lam is not a flag of brpo.py"),
     (["--grid", "/nonexistent.json"], "not found"),
     (["--seeds", "-1"], "seeds must lie in"),
+    (["--grid", "/"], "not a readable JSON file"),
+    (["--sweep", "bc:learning_rate=nan"], "not a finite number"),
     (["--threads", "100000"], "--threads must be at most"),
 ])
 def test_bad_input_one_line_error(argv, message, capsys, tmp_path):
@@ -536,6 +542,15 @@ def test_aggregate_errors(tmp_path, capsys):
     assert capsys.readouterr().err.strip() == f"aggregate.py: error: results directory '{tmp_path / 'nope'}' does not exist"
     (tmp_path / "empty").mkdir()
     assert aggregate.main([str(tmp_path / "empty")]) == 2
+    assert "no valid result.json" in capsys.readouterr().err
+    # results that parse but hold the wrong types are skipped, not a traceback
+    good = {"algorithm": "bc", "env_id": "CartPole-v1", "epsilon": 0.15, "seed": 1, "final_score": 1.0,
+            "evaluations": [{"step": 1000, "return_mean": 1.0, "return_std": 0.0}], "args": {}, "extra": {}}
+    for i, bad in enumerate([{"epsilon": float("nan")}, {"seed": "abc"}, {"extra": [1, 2]},
+                             {"evaluations": [{"step": "abc", "return_mean": 1.0}]}]):
+        (tmp_path / "bad" / f"r{i}").mkdir(parents=True)
+        (tmp_path / "bad" / f"r{i}" / "result.json").write_text(json.dumps({**good, **bad}))
+    assert aggregate.main([str(tmp_path / "bad"), "--no-plots"]) == 2
     assert "no valid result.json" in capsys.readouterr().err
 
 

@@ -68,6 +68,10 @@ def test_arrays_of_wrong_dtype_or_shape_are_refused_before_any_output(name, data
         "env_id array": (dict(env_id=np.array(["CartPole-v1"])), "env_id has shape (1,)"),
         "string epsilon": (dict(epsilon=np.array("0.15")), "epsilon has dtype"),
         "no transitions": (dict(actions=actions[:0]), "actions has shape (0,)"),
+        "integers float32 cannot hold": (dict(observations=np.full(obs.shape, 16_777_217, dtype=np.int64)),
+                                         "cannot represent exactly"),
+        "terminal and timeout": (dict(timeouts=terminals | True, terminals=terminals | True), "both terminal"),
+        "epsilon NaN": (dict(epsilon=np.float64("nan")), "outside [0, 1]"),
     }
     for i, (case, (changes, needle)) in enumerate(cases.items()):
         path = rewritten(src, tmp_path / f"bad{i}.npz", **changes)
@@ -106,6 +110,10 @@ BAD_ARGS = {
     "batch beyond the data": (dict(batch_size=10**8), "--batch-size"),
     "no behaviour policy": (dict(env_id="MountainCar-v0", dataset_path=None), "no dataset for MountainCar-v0"),
     "observations not a vector": (dict(env_id="FrozenLake-v1", dataset_path=None), "only vector observations"),
+    "run name with a newline": (dict(run_name="a\nb"), "printable characters"),
+    "run name not UTF-8": (dict(run_name="\udcff"), "printable characters"),
+    "empty runs dir": (dict(runs_dir=""), "--runs-dir must not be empty"),
+    "empty checkpoint": (dict(eval_checkpoint=""), "--eval-checkpoint must not be empty"),
 }
 
 
@@ -113,7 +121,11 @@ BAD_ARGS = {
 def test_bad_arguments_are_refused_up_front(name, datasets, tmp_path):
     module = load_script(name)
     for i, (case, (overrides, needle)) in enumerate(BAD_ARGS.items()):
-        message = one_line_failure(module, tmp_path / f"runs{i}", **{"dataset_path": str(datasets[0.15]), **overrides})
+        overrides = {"runs_dir": str(tmp_path / f"runs{i}"), "dataset_path": str(datasets[0.15]), **overrides}
+        with pytest.raises(SystemExit) as exc:
+            main_in_process(module, **overrides)
+        message = str(exc.value.code)
+        assert "error" in message and "\n" not in message, message
         assert needle in message, (case, message)
     assert not (tmp_path.parent / "escaped").exists() and not Path("/tmp/abs").exists()
 
@@ -121,9 +133,9 @@ def test_bad_arguments_are_refused_up_front(name, datasets, tmp_path):
 @pytest.mark.parametrize("name", ALGORITHMS)
 def test_diverged_training_fails_without_a_result(name, datasets, tmp_path):
     module = load_script(name)
-    message = one_line_failure(module, tmp_path / "runs", dataset_path=str(datasets[0.15]), learning_rate=1e30,
-                               run_name="r")
-    assert "diverged" in message
+    runs = tmp_path / "new" / "runs"  # created by the run: removed with it
+    message = one_line_failure(module, runs, dataset_path=str(datasets[0.15]), learning_rate=1e30, run_name="r")
+    assert "diverged" in message and not (tmp_path / "new").exists()
 
 
 @pytest.mark.parametrize("name", ALGORITHMS)
@@ -175,6 +187,8 @@ def test_finished_run_is_kept_unless_overwrite_and_checkpoints_are_validated(nam
         "NaN weights": ({**good, nets[0]: {k: torch.full_like(v, float("nan")) for k, v in good[nets[0]].items()}},
                         "NaN or inf"),
         "another script's": ({**good, "algorithm": "nope"}, "not saved by"),
+        "bfloat16 weights": ({**good, nets[0]: {k: v.bfloat16() for k, v in good[nets[0]].items()}}, "float32 or float64"),
+        "huge weights": ({**good, nets[0]: {k: v * 1e38 for k, v in good[nets[0]].items()}}, "checkpoint"),
     }
     for i, (case, (ckpt, needle)) in enumerate(bad.items()):
         path = tmp_path / f"ckpt{i}.pt"
@@ -182,8 +196,12 @@ def test_finished_run_is_kept_unless_overwrite_and_checkpoints_are_validated(nam
             path.write_bytes(Path(data).read_bytes())
         else:
             torch.save(ckpt, path)
-        message = one_line_failure(module, tmp_path / "no_runs", eval_checkpoint=str(path))
-        assert needle in message, (case, message)
+        try:  # weights that load and still act are fine; anything else is one line
+            main_in_process(module, eval_checkpoint=str(path))
+            assert case == "huge weights", case
+        except SystemExit as exc:
+            message = str(exc.code)
+            assert needle in message and "\n" not in message, (case, message)
     assert not marker.exists()
 
 
@@ -229,7 +247,7 @@ def test_full_disk_is_one_line_and_leaves_nothing(name, flags, datasets, tmp_pat
     proc = run_limited([REPO / name, "--dataset-path", datasets[0.15], "--runs-dir", tmp_path / "runs", "--run-name",
                         "r", *TINY, *flags], max_bytes=1024)
     failed_cleanly(proc, "cannot write to")
-    assert list((tmp_path / "runs").iterdir()) == []
+    assert not (tmp_path / "runs").exists()  # the run created it: it goes with the run
 
 
 def test_read_only_runs_dir_and_dataset_location(datasets, tmp_path):
@@ -272,3 +290,32 @@ def test_interrupted_run_says_so_and_leaves_nothing(name, sig, datasets, tmp_pat
     assert proc.returncode == 130
     assert err.strip().splitlines() == [f"{name}: interrupted; nothing written"], err
     assert not run_dir.exists()
+
+
+@pytest.mark.parametrize("name", ("brpo.py", "brpo_c.py"))
+def test_brpo_documented_settings_and_limits(name, datasets, tmp_path):
+    """The paper's state-dependent temperature (--kappa-max inf) finishes, its inf recorded as text; a confidence
+    level whose Bonferroni level rounds to 1, and a dataset whose beta is not its behaviour network's, are refused."""
+    module = load_script(name)
+    data = str(datasets[0.15])
+    main_in_process(module, dataset_path=data, runs_dir=str(tmp_path), run_name="inf", kappa_max=float("inf"),
+                    kappa_scale=0.02, pessimism=0.0, total_steps=100, tensorboard=False)
+    assert json.loads((tmp_path / "inf" / "result.json").read_text())["args"]["kappa_max"] == "inf"
+    message = one_line_failure(module, tmp_path / "r1", dataset_path=data, certificate_confidence=1 - 1e-16)
+    assert "--certificate-confidence" in message
+    with np.load(datasets[1.0]) as f:  # uniform beta, labelled 0.15
+        probs = f["behavior_probs"]
+    mislabelled = rewritten(datasets[0.15], tmp_path / "mislabelled.npz", behavior_probs=probs[:2000])
+    assert "disagree" in one_line_failure(module, tmp_path / "r2", dataset_path=mislabelled)
+
+
+@pytest.mark.parametrize("sig, delay", [(signal.SIGINT, 0.2), (signal.SIGTERM, 0.2)])
+def test_interrupt_while_loading_is_one_line(sig, delay, datasets, tmp_path):
+    proc = subprocess.Popen([sys.executable, REPO / "dqn_offline.py", "--dataset-path", datasets[0.15], "--runs-dir",
+                             tmp_path / "runs"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    time.sleep(delay)
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and err.strip().splitlines() == ["dqn_offline.py: interrupted; nothing written"], err
+    assert not (tmp_path / "runs").exists()
