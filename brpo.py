@@ -316,13 +316,6 @@ def load_dataset(args: Args, obs_dim: int, n_actions: int) -> tuple[Path, dict]:
     return path, d
 
 
-def mlp(net: nn.Sequential, x: torch.Tensor) -> torch.Tensor:
-    """net(x) for the FC(32)-FC(16) Sequential, as explicit functional calls: the same operations, without the
-    per-module call machinery, which at batch 64 costs about as much as the arithmetic."""
-    l0, _, l1, _, l2 = net
-    return F.linear(F.relu(F.linear(F.relu(F.linear(x, l0.weight, l0.bias)), l1.weight, l1.bias)), l2.weight, l2.bias)
-
-
 class QNetwork(nn.Module):
     """FC(32)-FC(16), the architecture of every network in the paper."""
 
@@ -331,7 +324,7 @@ class QNetwork(nn.Module):
         self.net = nn.Sequential(nn.Linear(obs_dim, 32), nn.ReLU(), nn.Linear(32, 16), nn.ReLU(), nn.Linear(16, n_actions))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return mlp(self.net, x)
+        return self.net(x)
 
 
 
@@ -347,38 +340,6 @@ BETA_MIN = 1e-12  # floor of beta in the pessimism term (beta = 0 actions get rh
 D_ZERO = 1e-12  # |rho - beta| below this is rounding noise of two distributions that agree (probabilities <= 1)
 SNAP = 1e-12  # solver: a vertex coordinate within SNAP of 0 is rounding noise (enumerate_vertices)
 TINY = 1e-300  # floor of denominators that are positive up to underflow
-
-
-def row_sum(x: np.ndarray) -> np.ndarray:
-    """x.sum(-1) for a short last axis (|A| actions), as explicit adds in the same left-to-right order, so
-    bit-identical: numpy's reduction does the same few adds but its per-call setup costs several times more
-    at these sizes, and these sums run every update."""
-    s = x[..., 0]
-    for i in range(1, x.shape[-1]):
-        s = s + x[..., i]
-    return s
-
-
-def row_max(x: np.ndarray) -> np.ndarray:
-    """x.max(-1) for a short last axis (see row_sum)."""
-    s = x[..., 0]
-    for i in range(1, x.shape[-1]):
-        s = np.maximum(s, x[..., i])
-    return s
-
-
-def row_min(x: np.ndarray) -> np.ndarray:
-    """x.min(-1) for a short last axis (see row_sum)."""
-    s = x[..., 0]
-    for i in range(1, x.shape[-1]):
-        s = np.minimum(s, x[..., i])
-    return s
-
-
-def clip(x, lo, hi):
-    """np.clip(x, lo, hi) for NaN-free x, in half the time: np.clip's Python-level wrapper costs ~3 us per call
-    at these sizes and runs several times per update."""
-    return np.minimum(np.maximum(x, lo), hi)
 
 
 def log_probs(p: np.ndarray) -> np.ndarray:
@@ -427,10 +388,10 @@ def candidate_policy(beta, lam, w, temp, log_beta=None):
     softmax of log beta + lambda W / temp: beta = 0 gives rho = 0 exactly; huge advantages or a tiny
     temperature give a (near) one-hot rho, never inf/NaN. float64 numpy (no gradient flows through rho:
     coordinate ascent holds rho fixed while lambda is fitted)."""
-    w = clip(w, -W_CLAMP, W_CLAMP)
+    w = np.clip(w, -W_CLAMP, W_CLAMP)
     logits = (log_probs(beta) if log_beta is None else log_beta) + lam * w / temp[:, None]
-    e = np.exp(logits - row_max(logits)[:, None])
-    return e / row_sum(e)[:, None]
+    e = np.exp(logits - logits.max(-1)[:, None])
+    return e / e.sum(-1)[:, None]
 
 
 def residual_policy(beta, rho, lam):
@@ -466,15 +427,15 @@ def projection_root(lt: np.ndarray, d: np.ndarray) -> np.ndarray:
     # breakpoints of g; coordinates with d_j = 0 add a spurious breakpoint at 0, harmless: g is evaluated
     # there exactly and stays piecewise linear between any superset of its breakpoints
     bp = np.sort(np.concatenate([np.where(nz, lt / safe_d, 0.0), np.where(nz, (lt - 1.0) / safe_d, 0.0)], -1), -1)
-    g = row_sum(clip(lt[:, None, :] - bp[:, :, None] * d[:, None, :], 0.0, 1.0) * d[:, None, :])  # non-increasing
+    g = (np.clip(lt[:, None, :] - bp[:, :, None] * d[:, None, :], 0.0, 1.0) * d[:, None, :]).sum(-1)  # non-increasing
     nb = bp.shape[-1]
-    k = clip((g > 0).sum(-1) - 1, 0, nb - 2)
+    k = np.clip((g > 0).sum(-1) - 1, 0, nb - 2)
     rows = np.arange(bp.shape[0])
     b0, b1, g0, g1 = bp[rows, k], bp[rows, k + 1], g[rows, k], g[rows, k + 1]
     den = g0 - g1
     frac = np.where(den > 0, g0 / np.where(den > 0, den, 1.0), 0.0)
-    nu = np.where(nz.any(-1), b0 + clip(frac, 0.0, 1.0) * (b1 - b0), 0.0)
-    return clip(lt - nu[:, None] * d, 0.0, 1.0)
+    nu = np.where(nz.any(-1), b0 + np.clip(frac, 0.0, 1.0) * (b1 - b0), 0.0)
+    return np.clip(lt - nu[:, None] * d, 0.0, 1.0)
 
 
 def project_confidence(lam_tilde: torch.Tensor, d: np.ndarray) -> torch.Tensor:
@@ -482,8 +443,8 @@ def project_confidence(lam_tilde: torch.Tensor, d: np.ndarray) -> torch.Tensor:
 
     Departure from the paper: its closed form (shift by the hyperplane multiplier, then clip) stays in the box
     but breaks the equality as soon as a coordinate is clipped, and then pi = beta + lambda (rho - beta) is
-    not a distribution. KKT of the projection: lambda = clip(lam_tilde - nu d, 0, 1) with the scalar nu
-    solving g(nu) = d . clip(lam_tilde - nu d, 0, 1) = 0. g is non-increasing and piecewise linear with
+    not a distribution. KKT of the projection: lambda = np.clip(lam_tilde - nu d, 0, 1) with the scalar nu
+    solving g(nu) = d . np.clip(lam_tilde - nu d, 0, 1) = 0. g is non-increasing and piecewise linear with
     breakpoints lam_tilde_j / d_j and (lam_tilde_j - 1) / d_j, so nu is found exactly by evaluating g at the
     sorted 2|A| breakpoints and interpolating inside the bracket (vectorised, no iterations).
     Gradient: nu is re-expressed *inside the graph* from the active set F = {j: 0 < lambda_j < 1} as
@@ -525,8 +486,8 @@ def confidence_fit(lam_tilde: np.ndarray, d: np.ndarray, beta: np.ndarray, rho: 
     projection's Jacobian: on free coordinates I - d_F d_F^T / |d_F|^2, 0 on clipped ones."""
     d = np.where(np.abs(d) > D_ZERO, d, 0.0)
     if d.shape[1] == 2:  # see project_confidence
-        lam = np.where((d != 0).any(1, keepdims=True), clip(lam_tilde.mean(1, keepdims=True), 0.0, 1.0),
-                       clip(lam_tilde, 0.0, 1.0)) * np.ones_like(lam_tilde)
+        lam = np.where((d != 0).any(1, keepdims=True), np.clip(lam_tilde.mean(1, keepdims=True), 0.0, 1.0),
+                       np.clip(lam_tilde, 0.0, 1.0)) * np.ones_like(lam_tilde)
     else:
         lam = projection_root(lam_tilde, d)
     pi = beta + lam * d
@@ -538,8 +499,8 @@ def confidence_fit(lam_tilde: np.ndarray, d: np.ndarray, beta: np.ndarray, rho: 
     g_lam = (lr + (pi > LOG_CLAMP)) * d / n
     free = (lam > 0.0) & (lam < 1.0)
     d_free = d * free
-    n_free = row_sum(np.square(d_free))[:, None]
-    proj = row_sum(d_free * g_lam)[:, None] / np.where(n_free > 0, n_free, 1.0)
+    n_free = (np.square(d_free)).sum(-1)[:, None]
+    proj = (d_free * g_lam).sum(-1)[:, None] / np.where(n_free > 0, n_free, 1.0)
     return loss, np.where(free, g_lam - d_free * proj, 0.0)
 
 
@@ -631,7 +592,7 @@ def enumerate_vertices(d):
     # _prune removes them; moves d . lambda by <= 1e-9 |d_j|. Near 0 the snap is far tighter (SNAP): there a
     # small lambda_j can be a vertex's whole value (at 1e-9 the solver lost 40% of the optimum on an instance
     # whose gain came from an action with |d_i| = 1e-10 |d_j|: tests/test_brpo.py::test_solver_tiny_coordinates)
-    lamj = np.where(np.abs(lamj) < SNAP, 0.0, np.where(np.abs(lamj - 1.0) < 1e-9, 1.0, clip(lamj, 0.0, 1.0)))
+    lamj = np.where(np.abs(lamj) < SNAP, 0.0, np.where(np.abs(lamj - 1.0) < 1e-9, 1.0, np.clip(lamj, 0.0, 1.0)))
     cand = x[None, :, :] + onehot[None, :, :] * lamj[:, :, None]
     ends = np.broadcast_to(np.stack([np.zeros(n), np.ones(n)]), (bsz, 2, n))
     return np.concatenate([ends, cand * ok[:, :, None]], 1)
@@ -652,7 +613,7 @@ def lonely_generators(d):
     do = d[rows, others]
     lonely = ~(do * dj[:, None] > 0).any(1)
     adj = np.abs(dj)[:, None]
-    ratio = clip(np.abs(do) / np.where(adj > 0, adj, 1.0), 0.0, 1.0)
+    ratio = np.clip(np.abs(do) / np.where(adj > 0, adj, 1.0), 0.0, 1.0)
     ratio = np.where(ratio > 1.0 - 1e-9, 1.0, ratio)
     g = np.zeros((bsz, n - 1, n))
     gi = np.arange(n - 1)[None, :]
@@ -733,7 +694,7 @@ def _sweep(vals, gvals, alpha, beta_, k):
     q = -k * du * dv  # f along an edge: f0 + lin sigma + q sigma^2, concave iff q < 0
     lin = dc - k * (path[:, :-1, 1] * dv + path[:, :-1, 2] * du)
     neg = q < 0
-    sig = np.where(neg, clip(lin / np.where(neg, -2.0 * q, 1.0), 0.0, 1.0), 0.0)
+    sig = np.where(neg, np.clip(lin / np.where(neg, -2.0 * q, 1.0), 0.0, 1.0), 0.0)
     # position e < E: best point of edge e (sigma = 0 is its first vertex); position E: the last vertex
     fall = np.concatenate([fv[:, :-1] + lin * sig + q * sig * sig, fv[:, -1:]], 1)
     best_e = fall.argmax(1)
@@ -878,7 +839,7 @@ def solve_confidence(d, w, k, n_rays=4, refine_rays=(0.0, -0.03, 0.03, -0.1, 0.1
     bsz, n = d.shape
     if n == 2:  # lonely_generators' answer without its cost: one generator (1, 1) per state, lambda = (t, t)
         gvals = np.empty((bsz, 3))
-        gvals[:, 0], gvals[:, 1], gvals[:, 2] = row_sum(c), row_sum(u), row_sum(v)
+        gvals[:, 0], gvals[:, 1], gvals[:, 2] = c.sum(-1), u.sum(-1), v.sum(-1)
         t0 = np.full(bsz, t_const)
         best_f, t = _solve_generators(gvals, k, wbar, n_rays, refine_rays, best_f, t0)
         return best_lam if t is t0 else np.repeat(t[:, None], 2, 1)
@@ -889,7 +850,7 @@ def solve_confidence(d, w, k, n_rays=4, refine_rays=(0.0, -0.03, 0.03, -0.1, 0.1
         t0 = np.full(gvals.shape[0], t_const)
         best_f, t = _solve_generators(gvals, k, wbar, n_rays, refine_rays, best_f, t0)
         # the clip only removes rounding: sum_i |d_i| / |d_j| is 1 up to ~1e-15, and so is lambda_j at t = 1
-        return best_lam if t is t0 else clip((t.reshape(bsz, n - 1, 1) * gvec).sum(1), 0.0, 1.0)
+        return best_lam if t is t0 else np.clip((t.reshape(bsz, n - 1, 1) * gvec).sum(1), 0.0, 1.0)
     gvec, cuv_g = gvec[lonely].reshape(-1, n), cuv[lonely]
     gvals = (gvec.reshape(-1, n - 1, n) @ cuv_g).reshape(-1, 3)  # (G, 3)
     gpos = np.flatnonzero(gvals[:, 0] > 0)  # the others stay at t_g = 0
@@ -906,7 +867,7 @@ def solve_confidence(d, w, k, n_rays=4, refine_rays=(0.0, -0.03, 0.03, -0.1, 0.1
             t[gpos] = t_pos
             lam = np.empty_like(d)
             lam[hard] = lam_hard
-            lam[lonely] = clip((t.reshape(-1, n - 1, 1) * gvec.reshape(-1, n - 1, n)).sum(1), 0.0, 1.0)
+            lam[lonely] = np.clip((t.reshape(-1, n - 1, 1) * gvec.reshape(-1, n - 1, n)).sum(1), 0.0, 1.0)
             fl = float((lam * c).sum() - k * (lam * u).sum() * (lam * v).sum())
             if fl > best_f:
                 best_f, best_lam = fl, lam
@@ -1099,12 +1060,13 @@ class ConfidenceNetwork(nn.Module):
         # float32 like the network: the numpy side converts to float64 (exactly), and the training loss
         # (lambda~ . g) then backpropagates without a float64 copy in the graph (same gradient: g is rounded
         # to float32 either way)
-        return torch.sigmoid(mlp(self.net, x))
+        return torch.sigmoid(self.net(x))
 
 
-def mixed_value(q: torch.Tensor, beta: torch.Tensor, mu: float) -> torch.Tensor:
-    """V(s) = (1-mu) E_{a~beta}[Q(s,a)] + mu max_a Q(s,a) (Algorithm 1, line 6; appendix)."""
-    return (1.0 - mu) * (beta * q).sum(1) + mu * q.max(1).values
+def mixed_value(q: np.ndarray, beta: np.ndarray, mu: float, q_max: Optional[np.ndarray] = None) -> np.ndarray:
+    """V(s) = (1-mu) E_{a~beta}[Q(s,a)] + mu max_a Q(s,a) (Algorithm 1, line 6; appendix), for the critic's target
+    and for the weighted advantage W = Q - V."""
+    return (1.0 - mu) * (beta * q).sum(-1) + mu * (q.max(-1) if q_max is None else q_max)
 
 
 def critic_output_grad(q_all: np.ndarray, a: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -1125,7 +1087,7 @@ def advantage_unit(q: np.ndarray, q_max: Optional[np.ndarray] = None) -> float:
     on a task with large advantages and rho = beta on one with small ones (measured: CartPole's advantages are
     ~10x Acrobot's). Dividing W by its typical scale makes the defaults task-independent; the choice between
     actions inside a state, and which states have larger advantages than others, are unchanged."""
-    gap = (row_max(q) if q_max is None else q_max) - row_min(q)
+    gap = (q.max(-1) if q_max is None else q_max) - q.min(-1)
     return float(gap.sum() / gap.shape[0])  # = gap.mean() bit for bit (the same pairwise sum), with less call overhead
 
 
@@ -1170,14 +1132,14 @@ def solver_advantage(w, beta, args, unit, sqrt_beta=None):
     # beta = 0: finite, and d = 0 there (rho = beta = 0)
     inv = 1.0 / (sqrt_floored(beta) if sqrt_beta is None else sqrt_beta)
     scale = max(unit, UNIT_MIN) if args.advantage_unit else 1.0
-    return w - args.pessimism * scale * (inv - row_sum(beta * inv)[:, None])
+    return w - args.pessimism * scale * (inv - (beta * inv).sum(-1)[:, None])
 
 
 def policy_probs(obs, beta, q_network, confidence, args, n_updates, unit):
     """pi(.|s), lambda(s, .), rho(.|s) and W(s, .) at arbitrary states (no gradient): the deployed residual policy."""
     with torch.no_grad():
         q = q_network(obs).double()
-        w = q - mixed_value(q, beta, args.mu).unsqueeze(1)
+        w = q - torch.from_numpy(mixed_value(q.numpy(), beta.numpy(), args.mu))[:, None]
         lam_tilde = confidence(obs).double()
         rho, _ = candidate(beta.numpy(), lam_tilde.numpy(), w.numpy(), args, n_updates, unit)
         lam = project_confidence(lam_tilde, rho - beta.numpy())
@@ -1303,7 +1265,7 @@ def improvement_certificate(pi: np.ndarray, q: np.ndarray, cert: dict, z: float)
     n = len(cert["actions"])
     beta, taken, fold = cert["beta"], cert["actions"], cert["episode"] % 2
     # control variate q_cv(s, a) = features(s, a) . coef: the critic's action value plus state-only terms
-    state = np.concatenate([cert["state_features"], row_sum(beta * q)[:, None], row_max(q)[:, None]], 1)
+    state = np.concatenate([cert["state_features"], (beta * q).sum(-1)[:, None], q.max(-1)[:, None]], 1)
     per_step = np.zeros(n)
     for f in (0, 1):  # cross-fitting over the two halves of the episodes (both hold >= 1 episode: n_episodes >= 2)
         fit, use = fold != f, fold == f
@@ -1311,7 +1273,7 @@ def improvement_certificate(pi: np.ndarray, q: np.ndarray, cert: dict, z: float)
         coef = np.linalg.lstsq(x_fit, cert["returns"][fit], rcond=None)[0]
         # in sum_a (pi - beta) q_cv the state-only terms cancel: the direct term carries the critic's Q(s, a) only
         q_cv = (state[use] @ coef[:-1])[:, None] + coef[-1] * q[use]
-        direct = row_sum((pi[use] - beta[use]) * q_cv)
+        direct = ((pi[use] - beta[use]) * q_cv).sum(-1)
         weight = pi[use, taken[use]] / cert["beta_taken"][use] - 1.0  # beta(a_t|s_t) > 0 (certificate_data)
         per_step[use] = direct + weight * (cert["returns"][use] - q_cv[np.arange(len(q_cv)), taken[use]])
     per_episode = np.bincount(cert["episode"], weights=per_step, minlength=cert["n_episodes"])
@@ -1444,9 +1406,7 @@ def train(args: Args, data: dict, dataset_path: Path, run_dir: Path, writer: Opt
         beta = torch.from_numpy(behavior_probs_np.take(idx_np, 0))
         with torch.no_grad():
             next_q = target_network(next_s).numpy()
-        # Algorithm 1, line 6: V(s') = (1-mu) E_beta Q'(s', .) + mu max Q'(s', .) (= mixed_value, the same
-        # float32 numbers in numpy row operations: fewer op calls)
-        next_v = (1.0 - args.mu) * row_sum(batch_np[:, columns[2]] * next_q) + args.mu * row_max(next_q)
+        next_v = mixed_value(next_q, batch_np[:, columns[2]], args.mu)  # V(s'), Algorithm 1 line 6
         td_target = torch.addcmul(r, torch.from_numpy(next_v), boot)  # r + gamma (1 - terminal) V(s')
         q_all = q_network(s)
         q32 = q_all.detach().numpy()
@@ -1456,12 +1416,11 @@ def train(args: Args, data: dict, dataset_path: Path, run_dir: Path, writer: Opt
         q_grad, td_error = critic_output_grad(q32, actions_np[idx_np], td_target.numpy())
         q_np = q32.astype(np.float64)
         # running advantage unit (see advantage_unit), from the critic before its step like W
-        q_max = row_max(q_np)
+        q_max = q_np.max(-1)
         unit = advantage_unit(q_np, q_max) if step == 1 else (1.0 - UNIT_RATE) * unit + UNIT_RATE * advantage_unit(q_np, q_max)
-        # weighted advantage W = Q - V with the same mu (appendix), from the critic before its step: mixed_value
-        # in float64 numpy like the rest of the confidence step (row sums: the same numbers, fewer op calls)
+        # weighted advantage W = Q - V with the same mu (appendix), from the critic before its step, in float64
         beta_np = beta.numpy()
-        w_np = q_np - ((1.0 - args.mu) * row_sum(beta_np * q_np) + args.mu * q_max)[:, None]
+        w_np = q_np - mixed_value(q_np, beta_np, args.mu, q_max)[:, None]
 
         # --- confidence (Algorithm 1, lines 3-5) ---
         lam_tilde = confidence(s)  # float32, in the graph

@@ -302,13 +302,6 @@ def load_dataset(args: Args, obs_dim: int, n_actions: int) -> tuple[Path, dict]:
     return path, d
 
 
-def mlp(net: nn.Sequential, x: torch.Tensor) -> torch.Tensor:
-    """net(x) for the FC(32)-FC(16) Sequential, as explicit functional calls: the same operations, without the
-    per-module call machinery, which at batch 64 costs about as much as the arithmetic."""
-    l0, _, l1, _, l2 = net
-    return F.linear(F.relu(F.linear(F.relu(F.linear(x, l0.weight, l0.bias)), l1.weight, l1.bias)), l2.weight, l2.bias)
-
-
 class QNetwork(nn.Module):
     """FC(32)-FC(16), the architecture of every network in the paper."""
 
@@ -317,7 +310,7 @@ class QNetwork(nn.Module):
         self.net = nn.Sequential(nn.Linear(obs_dim, 32), nn.ReLU(), nn.Linear(32, 16), nn.ReLU(), nn.Linear(16, n_actions))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return mlp(self.net, x)
+        return self.net(x)
 
 
 
@@ -330,38 +323,6 @@ TEMP_MIN = 1e-200  # smallest temperature (see temperature())
 UNIT_RATE = 0.01  # running-average rate of the advantage unit (about the last 100 updates)
 UNIT_MIN = 1e-8  # floor of the advantage unit: a constant critic (all gaps 0) must not divide by 0
 BETA_MIN = 1e-12  # floor of beta in the pessimism term (beta = 0 actions get rho = 0 from log beta anyway)
-
-
-def row_sum(x: np.ndarray) -> np.ndarray:
-    """x.sum(-1) for a short last axis (|A| actions), as explicit adds in the same left-to-right order, so
-    bit-identical: numpy's reduction does the same few adds but its per-call setup costs several times more
-    at these sizes, and these sums run every update."""
-    s = x[..., 0]
-    for i in range(1, x.shape[-1]):
-        s = s + x[..., i]
-    return s
-
-
-def row_max(x: np.ndarray) -> np.ndarray:
-    """x.max(-1) for a short last axis (see row_sum)."""
-    s = x[..., 0]
-    for i in range(1, x.shape[-1]):
-        s = np.maximum(s, x[..., i])
-    return s
-
-
-def row_min(x: np.ndarray) -> np.ndarray:
-    """x.min(-1) for a short last axis (see row_sum)."""
-    s = x[..., 0]
-    for i in range(1, x.shape[-1]):
-        s = np.minimum(s, x[..., i])
-    return s
-
-
-def clip(x, lo, hi):
-    """np.clip(x, lo, hi) for NaN-free x, in half the time: np.clip's Python-level wrapper costs ~3 us per call
-    at these sizes and runs several times per update."""
-    return np.minimum(np.maximum(x, lo), hi)
 
 
 def log_probs(p: np.ndarray) -> np.ndarray:
@@ -410,10 +371,10 @@ def candidate_policy(beta, lam, w, temp, log_beta=None):
     softmax of log beta + lambda W / temp: beta = 0 gives rho = 0 exactly; huge advantages or a tiny
     temperature give a (near) one-hot rho, never inf/NaN. float64 numpy (no gradient flows through rho:
     coordinate ascent holds rho fixed while lambda is fitted)."""
-    w = clip(w, -W_CLAMP, W_CLAMP)
+    w = np.clip(w, -W_CLAMP, W_CLAMP)
     logits = (log_probs(beta) if log_beta is None else log_beta) + lam * w / temp[:, None]
-    e = np.exp(logits - row_max(logits)[:, None])
-    return e / row_sum(e)[:, None]
+    e = np.exp(logits - logits.max(-1)[:, None])
+    return e / e.sum(-1)[:, None]
 
 
 def residual_policy(beta, rho, lam):
@@ -615,9 +576,10 @@ class ConstantConfidence:
         return torch.full((x.shape[0], self.n_actions), self.lam, dtype=torch.float64)
 
 
-def mixed_value(q: torch.Tensor, beta: torch.Tensor, mu: float) -> torch.Tensor:
-    """V(s) = (1-mu) E_{a~beta}[Q(s,a)] + mu max_a Q(s,a) (Algorithm 1, line 6; appendix)."""
-    return (1.0 - mu) * (beta * q).sum(1) + mu * q.max(1).values
+def mixed_value(q: np.ndarray, beta: np.ndarray, mu: float, q_max: Optional[np.ndarray] = None) -> np.ndarray:
+    """V(s) = (1-mu) E_{a~beta}[Q(s,a)] + mu max_a Q(s,a) (Algorithm 1, line 6; appendix), for the critic's target
+    and for the weighted advantage W = Q - V."""
+    return (1.0 - mu) * (beta * q).sum(-1) + mu * (q.max(-1) if q_max is None else q_max)
 
 
 def critic_output_grad(q_all: np.ndarray, a: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -638,7 +600,7 @@ def advantage_unit(q: np.ndarray, q_max: Optional[np.ndarray] = None) -> float:
     on a task with large advantages and rho = beta on one with small ones (measured: CartPole's advantages are
     ~10x Acrobot's). Dividing W by its typical scale makes the defaults task-independent; the choice between
     actions inside a state, and which states have larger advantages than others, are unchanged."""
-    gap = (row_max(q) if q_max is None else q_max) - row_min(q)
+    gap = (q.max(-1) if q_max is None else q_max) - q.min(-1)
     return float(gap.sum() / gap.shape[0])  # = gap.mean() bit for bit (the same pairwise sum), with less call overhead
 
 
@@ -675,7 +637,7 @@ def policy_probs(obs, beta, q_network, confidence, args, n_updates, unit):
     """pi(.|s), lambda(s, .), rho(.|s) and W(s, .) at arbitrary states (no gradient): the deployed residual policy."""
     with torch.no_grad():
         q = q_network(obs).double()
-        w = q - mixed_value(q, beta, args.mu).unsqueeze(1)
+        w = q - torch.from_numpy(mixed_value(q.numpy(), beta.numpy(), args.mu))[:, None]
         lam_tilde = confidence(obs)
         rho, _ = candidate(beta.numpy(), lam_tilde.numpy(), w.numpy(), args, n_updates, unit)
         lam = lam_tilde  # constant: already feasible
@@ -801,7 +763,7 @@ def improvement_certificate(pi: np.ndarray, q: np.ndarray, cert: dict, z: float)
     n = len(cert["actions"])
     beta, taken, fold = cert["beta"], cert["actions"], cert["episode"] % 2
     # control variate q_cv(s, a) = features(s, a) . coef: the critic's action value plus state-only terms
-    state = np.concatenate([cert["state_features"], row_sum(beta * q)[:, None], row_max(q)[:, None]], 1)
+    state = np.concatenate([cert["state_features"], (beta * q).sum(-1)[:, None], q.max(-1)[:, None]], 1)
     per_step = np.zeros(n)
     for f in (0, 1):  # cross-fitting over the two halves of the episodes (both hold >= 1 episode: n_episodes >= 2)
         fit, use = fold != f, fold == f
@@ -809,7 +771,7 @@ def improvement_certificate(pi: np.ndarray, q: np.ndarray, cert: dict, z: float)
         coef = np.linalg.lstsq(x_fit, cert["returns"][fit], rcond=None)[0]
         # in sum_a (pi - beta) q_cv the state-only terms cancel: the direct term carries the critic's Q(s, a) only
         q_cv = (state[use] @ coef[:-1])[:, None] + coef[-1] * q[use]
-        direct = row_sum((pi[use] - beta[use]) * q_cv)
+        direct = ((pi[use] - beta[use]) * q_cv).sum(-1)
         weight = pi[use, taken[use]] / cert["beta_taken"][use] - 1.0  # beta(a_t|s_t) > 0 (certificate_data)
         per_step[use] = direct + weight * (cert["returns"][use] - q_cv[np.arange(len(q_cv)), taken[use]])
     per_episode = np.bincount(cert["episode"], weights=per_step, minlength=cert["n_episodes"])
@@ -933,9 +895,7 @@ def train(args: Args, data: dict, dataset_path: Path, run_dir: Path, writer: Opt
         beta = torch.from_numpy(behavior_probs_np.take(idx_np, 0))
         with torch.no_grad():
             next_q = target_network(next_s).numpy()
-        # Algorithm 1, line 6: V(s') = (1-mu) E_beta Q'(s', .) + mu max Q'(s', .) (= mixed_value, the same
-        # float32 numbers in numpy row operations: fewer op calls)
-        next_v = (1.0 - args.mu) * row_sum(batch_np[:, columns[2]] * next_q) + args.mu * row_max(next_q)
+        next_v = mixed_value(next_q, batch_np[:, columns[2]], args.mu)  # V(s'), Algorithm 1 line 6
         td_target = torch.addcmul(r, torch.from_numpy(next_v), boot)  # r + gamma (1 - terminal) V(s')
         q_all = q_network(s)
         q32 = q_all.detach().numpy()
@@ -945,7 +905,7 @@ def train(args: Args, data: dict, dataset_path: Path, run_dir: Path, writer: Opt
         q_grad, td_error = critic_output_grad(q32, actions_np[idx_np], td_target.numpy())
         q_np = q32.astype(np.float64)
         # running advantage unit (see advantage_unit), from the critic before its step like W
-        q_max = row_max(q_np)
+        q_max = q_np.max(-1)
         unit = advantage_unit(q_np, q_max) if step == 1 else (1.0 - UNIT_RATE) * unit + UNIT_RATE * advantage_unit(q_np, q_max)
 
         optimizer.zero_grad()

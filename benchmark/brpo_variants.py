@@ -70,7 +70,7 @@ def main(args: Args) -> None:
     def residual(obs, beta, lam_tilde=None, w_zero=False, pessimism=saved.pessimism):
         with torch.no_grad():
             q = q_network(obs).double()
-            w = q - brpo.mixed_value(q, beta, saved.mu).unsqueeze(1)
+            w = q - torch.from_numpy(brpo.mixed_value(q.numpy(), beta.numpy(), saved.mu))[:, None]
             lt = confidence(obs).double() if lam_tilde is None else torch.full_like(w, lam_tilde)
         w = torch.zeros_like(w) if w_zero else w
         rho, _ = brpo.candidate(beta.numpy(), lt.numpy(), w.numpy(), replace(saved, pessimism=pessimism), n_updates,

@@ -309,7 +309,7 @@ def test_brpo_documented_settings_and_limits(name, datasets, tmp_path):
     assert "disagree" in one_line_failure(module, tmp_path / "r2", dataset_path=mislabelled)
 
 
-@pytest.mark.parametrize("sig, delay", [(signal.SIGINT, 0.2), (signal.SIGTERM, 0.2)])
+@pytest.mark.parametrize("sig, delay", [(signal.SIGINT, 0.6), (signal.SIGTERM, 0.6)])
 def test_interrupt_while_loading_is_one_line(sig, delay, datasets, tmp_path):
     proc = subprocess.Popen([sys.executable, REPO / "dqn_offline.py", "--dataset-path", datasets[0.15], "--runs-dir",
                              tmp_path / "runs"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
