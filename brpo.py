@@ -421,7 +421,8 @@ def lower_bound_terms(beta, rho, lam, w, gamma, mu, scale_penalty_by_mu=True):
 # Constraint-projection layer (paper eq. optimize_lambda)
 # ---------------------------------------------------------------------------------------------
 def projection_root(lt: np.ndarray, d: np.ndarray) -> np.ndarray:
-    """Exact projection of lt onto [0,1]^|A| ∩ {lambda . d = 0} (no gradient): see project_confidence."""
+    """The root nu of g(nu) = d . clip(lt - nu d, 0, 1) = 0, and the projection clip(lt - nu d, 0, 1): see
+    project_confidence."""
     nz = d != 0
     safe_d = np.where(nz, d, 1.0)
     # breakpoints of g; coordinates with d_j = 0 add a spurious breakpoint at 0, harmless: g is evaluated
@@ -438,58 +439,34 @@ def projection_root(lt: np.ndarray, d: np.ndarray) -> np.ndarray:
     return np.clip(lt - nu[:, None] * d, 0.0, 1.0)
 
 
-def project_confidence(lam_tilde: torch.Tensor, d: np.ndarray) -> torch.Tensor:
-    """Exact Euclidean projection of lam_tilde onto Lambda(s) = [0,1]^|A| ∩ {lambda . d = 0}, d = rho - beta.
+def project_confidence(lam_tilde: np.ndarray, d: np.ndarray) -> np.ndarray:
+    """Exact Euclidean projection of lam_tilde onto Lambda(s) = [0,1]^|A| ∩ {lambda . d = 0}, d = rho - beta (the
+    constraint-projection layer, eq. optimize_lambda).
 
     Departure from the paper: its closed form (shift by the hyperplane multiplier, then clip) stays in the box
     but breaks the equality as soon as a coordinate is clipped, and then pi = beta + lambda (rho - beta) is
-    not a distribution. KKT of the projection: lambda = np.clip(lam_tilde - nu d, 0, 1) with the scalar nu
-    solving g(nu) = d . np.clip(lam_tilde - nu d, 0, 1) = 0. g is non-increasing and piecewise linear with
+    not a distribution. KKT of the projection: lambda = clip(lam_tilde - nu d, 0, 1) with the scalar nu
+    solving g(nu) = d . clip(lam_tilde - nu d, 0, 1) = 0. g is non-increasing and piecewise linear with
     breakpoints lam_tilde_j / d_j and (lam_tilde_j - 1) / d_j, so nu is found exactly by evaluating g at the
-    sorted 2|A| breakpoints and interpolating inside the bracket (vectorised, no iterations).
-    Gradient: nu is re-expressed *inside the graph* from the active set F = {j: 0 < lambda_j < 1} as
-    nu = (sum_F d_j lam_tilde_j + sum_{not F} d_j lambda_j) / sum_F d_j^2 (equal to nu at the root); this
-    is the implicit-function derivative, and autograd gives d lambda_F / d lam_tilde_F = I - d_F d_F^T /
-    |d_F|^2 and 0 on clipped coordinates. d == 0 (rho = beta): any box point is feasible, projection = clip.
-    float64 throughout: the equality then holds to ~1e-16."""
+    sorted 2|A| breakpoints and interpolating inside the bracket (vectorised, no iterations). d == 0
+    (rho = beta): any box point is feasible, the projection is the clip. float64: the equality holds to ~1e-16.
+    Its gradient (confidence_fit): I - d_F d_F^T / |d_F|^2 on the free coordinates F = {j: 0 < lambda_j < 1}, 0 on
+    clipped ones (the implicit-function derivative; tests check it against autograd through the same KKT form)."""
     d = np.where(np.abs(d) > D_ZERO, d, 0.0)
-    lt = lam_tilde.double()
-    if d.shape[1] == 2:  # d = (delta, -delta): Lambda(s) is the diagonal, projection = clip of the mean
-        on = torch.from_numpy((d != 0).any(1, keepdims=True))
-        return torch.where(on, lt.mean(1, keepdim=True).clamp(0.0, 1.0).expand_as(lt), lt.clamp(0.0, 1.0))
-    lam0 = torch.from_numpy(projection_root(lt.detach().numpy(), d))
-    dt = torch.from_numpy(d)
-    free = (lam0 > 0.0) & (lam0 < 1.0)
-    d_free = dt * free
-    n_free = d_free.square().sum(-1)
-    has = n_free > 0
-    num = (d_free * lt).sum(-1) + (dt * lam0 * ~free).sum(-1)
-    nu = torch.where(has, num / torch.where(has, n_free, 1.0), 0.0)
-    # the clamp only removes rounding (|excess| ~ 1e-16) so that the box holds exactly
-    return torch.where(free, lt - nu[:, None] * dt, lam0).clamp(0.0, 1.0)
-
-
-def kl_fit_loss(pi_phi, target):
-    """Paper's distribution-fitting loss (Sec. 5, "Learning the Confidence"):
-    mean_s sum_a pi_phi log(pi_phi / target), logs guarded so exact zeros contribute 0. The autograd form of
-    what confidence_fit computes for training (the tests check that both agree)."""
-    lp = torch.log(pi_phi.clamp_min(LOG_CLAMP))
-    lq = torch.log(target.clamp_min(LOG_CLAMP))
-    return (pi_phi * (lp - lq)).sum(-1).mean()
+    if d.shape[1] == 2:  # d = (delta, -delta): Lambda(s) is the diagonal, the projection is the clip of the mean
+        return np.where((d != 0).any(1, keepdims=True), np.clip(lam_tilde.mean(1, keepdims=True), 0.0, 1.0),
+                        np.clip(lam_tilde, 0.0, 1.0)) * np.ones_like(lam_tilde)
+    return projection_root(lam_tilde, d)
 
 
 def confidence_fit(lam_tilde: np.ndarray, d: np.ndarray, beta: np.ndarray, rho: np.ndarray, target: np.ndarray):
-    """kl_fit_loss(residual pi of project_confidence(lam_tilde, d), target) and its gradient w.r.t. lam_tilde,
-    in numpy. Same value and gradient as autograd through project_confidence + kl_fit_loss (tested); used in
-    training because one tiny autograd graph per update costs more than the whole numpy computation:
-    dL/dpi = (log pi - log target + 1) / |B| (0 where pi is clamped), dL/dlambda = dL/dpi * d, then the
-    projection's Jacobian: on free coordinates I - d_F d_F^T / |d_F|^2, 0 on clipped ones."""
+    """The paper's distribution-fitting loss (Sec. 5, "Learning the Confidence")
+        mean_s sum_a pi_phi log(pi_phi / target),  pi_phi = beta + project_confidence(lam_tilde, d) d,
+    logs floored at LOG_CLAMP, and its gradient w.r.t. lam_tilde, in numpy (one tiny autograd graph per update
+    costs more than this whole computation; tests check both against autograd): dL/dpi = (log pi - log target
+    + 1) / |B| (0 where pi is clamped), dL/dlambda = dL/dpi * d, then the projection's Jacobian."""
     d = np.where(np.abs(d) > D_ZERO, d, 0.0)
-    if d.shape[1] == 2:  # see project_confidence
-        lam = np.where((d != 0).any(1, keepdims=True), np.clip(lam_tilde.mean(1, keepdims=True), 0.0, 1.0),
-                       np.clip(lam_tilde, 0.0, 1.0)) * np.ones_like(lam_tilde)
-    else:
-        lam = projection_root(lam_tilde, d)
+    lam = project_confidence(lam_tilde, d)
     pi = beta + lam * d
     lp = np.log(np.maximum(pi, LOG_CLAMP))
     lq = np.log(np.maximum(target, LOG_CLAMP))
@@ -1142,7 +1119,7 @@ def policy_probs(obs, beta, q_network, confidence, args, n_updates, unit):
         w = q - torch.from_numpy(mixed_value(q.numpy(), beta.numpy(), args.mu))[:, None]
         lam_tilde = confidence(obs).double()
         rho, _ = candidate(beta.numpy(), lam_tilde.numpy(), w.numpy(), args, n_updates, unit)
-        lam = project_confidence(lam_tilde, rho - beta.numpy())
+        lam = torch.from_numpy(project_confidence(lam_tilde.numpy(), rho - beta.numpy()))
         rho = torch.from_numpy(rho)
         return residual_policy(beta, rho, lam), lam, rho, w
 
@@ -1433,8 +1410,8 @@ def train(args: Args, data: dict, dataset_path: Path, run_dir: Path, writer: Opt
         lam_star = solve_confidence(d, solver_advantage(w_np, beta_np, args, unit, sqrt_beta), k_penalty)  # lambda-bar*
         target_pi = beta_np + lam_star * d  # lambda-bar* is feasible: a distribution up to rounding
         # KL fit of pi_phi = beta + Phi(lambda~; rho - beta)(rho - beta) to the target (eq. optimize_lambda and
-        # "Learning the Confidence"): value and d/d lambda~ in numpy (= autograd through project_confidence
-        # and kl_fit_loss, tested); (lambda~ . g) then carries exactly that gradient into the network
+        # "Learning the Confidence"): value and d/d lambda~ (confidence_fit); (lambda~ . g) then carries exactly
+        # that gradient into the network
         confidence_loss, grad = confidence_fit(lam_np, d, beta_np, rho_np, target_pi)
 
         optimizer.zero_grad()

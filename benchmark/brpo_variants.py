@@ -75,7 +75,7 @@ def main(args: Args) -> None:
         w = torch.zeros_like(w) if w_zero else w
         rho, _ = brpo.candidate(beta.numpy(), lt.numpy(), w.numpy(), replace(saved, pessimism=pessimism), n_updates,
                                 unit)
-        lam = brpo.project_confidence(lt, rho - beta.numpy())
+        lam = torch.from_numpy(brpo.project_confidence(lt.numpy(), rho - beta.numpy()))
         return brpo.residual_policy(beta, torch.from_numpy(rho), lam)
 
     def probs(variant, obs):

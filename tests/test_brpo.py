@@ -584,14 +584,43 @@ def test_temperature_cap_and_decay(brpo):
 # ---------------------------------------------------------------------------------------------
 # Projection layer
 # ---------------------------------------------------------------------------------------------
+def torch_projection(brpo, lam_tilde: torch.Tensor, d: np.ndarray) -> torch.Tensor:
+    """The projection layer in autograd form (reference for brpo.project_confidence and confidence_fit): nu
+    re-expressed inside the graph from the active set F = {j: 0 < lambda_j < 1} of the exact numpy root,
+    nu = (sum_F d_j lam_tilde_j + sum_{not F} d_j lambda_j) / sum_F d_j^2, so autograd gives the implicit-function
+    derivative I - d_F d_F^T / |d_F|^2 on F and 0 on clipped coordinates."""
+    d = np.where(np.abs(d) > brpo.D_ZERO, d, 0.0)
+    lt = lam_tilde.double()
+    if d.shape[1] == 2:
+        on = torch.from_numpy((d != 0).any(1, keepdims=True))
+        return torch.where(on, lt.mean(1, keepdim=True).clamp(0.0, 1.0).expand_as(lt), lt.clamp(0.0, 1.0))
+    lam0 = torch.from_numpy(brpo.projection_root(lt.detach().numpy(), d))
+    dt = torch.from_numpy(d)
+    free = (lam0 > 0.0) & (lam0 < 1.0)
+    d_free = dt * free
+    n_free = d_free.square().sum(-1)
+    has = n_free > 0
+    num = (d_free * lt).sum(-1) + (dt * lam0 * ~free).sum(-1)
+    nu = torch.where(has, num / torch.where(has, n_free, 1.0), 0.0)
+    return torch.where(free, lt - nu[:, None] * dt, lam0).clamp(0.0, 1.0)
+
+
+def torch_kl_fit_loss(brpo, pi_phi, target):
+    """The paper's fitting loss mean_s sum_a pi_phi log(pi_phi / target) in autograd form, logs floored."""
+    lp = torch.log(pi_phi.clamp_min(brpo.LOG_CLAMP))
+    lq = torch.log(target.clamp_min(brpo.LOG_CLAMP))
+    return (pi_phi * (lp - lq)).sum(-1).mean()
+
+
 def test_projection_feasible_and_optimal(brpo):
     rng = np.random.default_rng(3)
     for n_actions in (2, 3, 4, 5):
         for kind in KINDS:
             d, w, _ = random_instance(rng, 40, n_actions, kind)
             lt = rng.normal(0.5, 1.0, size=d.shape)  # also outside [0, 1]
-            lam = brpo.project_confidence(torch.as_tensor(lt), d).numpy()
+            lam = brpo.project_confidence(lt, d)
             assert_feasible(lam, d)
+            assert np.allclose(lam, torch_projection(brpo, torch.as_tensor(lt), d).numpy(), atol=1e-12)
             # no feasible point is closer: vertices and random convex combinations of vertices
             dist = ((lam - lt) ** 2).sum(1)
             for i in range(len(d)):
@@ -601,11 +630,11 @@ def test_projection_feasible_and_optimal(brpo):
                 assert dist[i] <= ((others - lt[i]) ** 2).sum(1).min() * (1 + 1e-10) + 1e-12
     # d = 0: projection is the clip
     lt = rng.normal(0.5, 1.0, size=(10, 3))
-    assert np.allclose(brpo.project_confidence(torch.as_tensor(lt), np.zeros((10, 3))).numpy(), np.clip(lt, 0, 1))
+    assert np.allclose(brpo.project_confidence(lt, np.zeros((10, 3))), np.clip(lt, 0, 1))
     # feasible input is a fixed point
     d, _, _ = random_instance(rng, 10, 3, "generic")
-    x = brpo.project_confidence(torch.as_tensor(rng.random((10, 3))), d)
-    assert np.allclose(brpo.project_confidence(x, d).numpy(), x.numpy(), atol=1e-12)
+    x = brpo.project_confidence(rng.random((10, 3)), d)
+    assert np.allclose(brpo.project_confidence(x, d), x, atol=1e-12)
 
 
 def test_projection_gradcheck(brpo):
@@ -613,8 +642,8 @@ def test_projection_gradcheck(brpo):
     for kind in ("generic", "zeros", "mixed"):
         d, _, _ = random_instance(rng, 6, 4, kind)
         lt = torch.tensor(rng.normal(0.5, 0.6, size=d.shape), dtype=torch.float64, requires_grad=True)
-        assert torch.autograd.gradcheck(lambda x: brpo.project_confidence(x, d), (lt,), eps=1e-7, atol=1e-6)
-        out = brpo.project_confidence(lt, d)
+        assert torch.autograd.gradcheck(lambda x: torch_projection(brpo, x, d), (lt,), eps=1e-7, atol=1e-6)
+        out = torch_projection(brpo, lt, d)
         out.sum().backward()  # gradient exists and is finite
         assert torch.isfinite(lt.grad).all()
 
@@ -633,8 +662,8 @@ def test_confidence_fit_matches_autograd(brpo):
             lt = rng.normal(0.5, 0.6, size=d.shape)
             loss, grad = brpo.confidence_fit(lt, d, beta, rho, target)
             x = torch.tensor(lt, requires_grad=True)
-            lam = brpo.project_confidence(x, d)
-            ref = brpo.kl_fit_loss(t64(beta) + lam * t64(d), t64(target))
+            lam = torch_projection(brpo, x, d)
+            ref = torch_kl_fit_loss(brpo, t64(beta) + lam * t64(d), t64(target))
             ref.backward()
             assert loss == pytest.approx(ref.item(), rel=1e-10, abs=1e-14)
             assert np.allclose(grad, x.grad.numpy(), rtol=1e-8, atol=1e-12)
@@ -674,12 +703,14 @@ def test_residual_policy_is_distribution_anywhere(brpo, epsilon):
 
 
 def test_kl_fit_loss(brpo):
-    p = t64([[0.5, 0.5, 0.0], [1.0, 0.0, 0.0]])
-    assert brpo.kl_fit_loss(p, p).item() == 0.0
-    q = t64([[0.25, 0.75, 0.0], [0.5, 0.5, 0.0]])
+    """confidence_fit's loss is the paper's KL(pi_phi || target); with d = 0, pi_phi = beta."""
+    p = np.array([[0.5, 0.5, 0.0], [1.0, 0.0, 0.0]])
+    q = np.array([[0.25, 0.75, 0.0], [0.5, 0.5, 0.0]])
+    lt, zero = np.full((2, 3), 0.5), np.zeros((2, 3))
+    assert brpo.confidence_fit(lt, zero, p, p, p)[0] == 0.0
     ref = (0.5 * np.log(2) + 0.5 * np.log(0.5 / 0.75) + np.log(2)) / 2
-    assert brpo.kl_fit_loss(p, q).item() == pytest.approx(ref)
-    assert torch.isfinite(torch.tensor(brpo.kl_fit_loss(q, p).item()))  # zero target mass: clamped, finite
+    assert brpo.confidence_fit(lt, zero, p, p, q)[0] == pytest.approx(ref)
+    assert np.isfinite(brpo.confidence_fit(lt, zero, q, q, p)[0])  # zero target mass: clamped, finite
 
 
 # ---------------------------------------------------------------------------------------------
