@@ -220,8 +220,6 @@ def load_dataset(args: Args, obs_dim: int, n_actions: int) -> tuple[Path, dict]:
             fail(f"dataset {path} has epsilon {float(x)}, outside [0, 1]; recreate it with: {how}")
         if k == "epsilon" and not np.isclose(float(x), args.epsilon):
             fail(f"dataset {path} was collected with epsilon {float(x):g}, not {args.epsilon:g}; pass --epsilon {float(x):g}")
-
-            fail(f"dataset {path} was collected with epsilon {float(x):g}, not {args.epsilon:g}; pass --epsilon {float(x):g}")
         if k == "actions" and (x.ndim != 1 or len(x) == 0):
             fail(f"dataset {path}: actions has shape {x.shape}, expected (N,) with N > 0 (one action index per "
                  f"transition); recreate it with: {how}")
@@ -241,7 +239,6 @@ def load_dataset(args: Args, obs_dim: int, n_actions: int) -> tuple[Path, dict]:
         fail(f"dataset {path}: {np.count_nonzero(d['terminals'] & d['timeouts'])} transitions are both terminal and a "
              f"time-limit truncation (timeouts must exclude terminals); recreate it with: {how}")
     if d["actions"].min() < 0 or d["actions"].max() >= n_actions:
-
         fail(f"dataset {path}: actions outside [0, {n_actions}); was it recorded on another task?")
     for k in ("behavior_probs", "next_behavior_probs"):
         if (d[k] < 0).any() or not np.allclose(d[k].sum(1), 1.0, atol=1e-4):
