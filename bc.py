@@ -104,9 +104,10 @@ def check_args(args: Args) -> None:
             fail(f"--{name.replace('_', '-')} must lie in [0, 2**32), got {getattr(args, name)}")
     for name in ("run_name", "exp_name"):  # a run directory is <runs-dir>/<one name>, never outside it
         value = getattr(args, name)
-        if value is not None and (value in ("", ".", "..") or any(c in value for c in "/\\") or not value.isprintable()):
-            fail(f"--{name.replace('_', '-')} must be a single directory name of printable characters (no '/', not "
-                 f"'..'), got {value!r}")
+        if value is not None and (value in ("", ".", "..") or any(c in value for c in "/\\") or not value.isprintable()
+                                  or len(value.encode()) > 200):
+            fail(f"--{name.replace('_', '-')} must be a single directory name of at most 200 printable characters (no "
+                 f"'/', not '..'), got {value!r}")
     for name in ("dataset_path", "eval_checkpoint", "runs_dir"):
         if getattr(args, name) == "":
             fail(f"--{name.replace('_', '-')} must not be empty")
@@ -147,7 +148,11 @@ def load_dataset(args: Args, obs_dim: int, n_actions: int) -> tuple[Path, dict]:
     path = Path(args.dataset_path) if args.dataset_path else REPO / "datasets" / f"{args.env_id}_eps{args.epsilon:g}.npz"
     how = f"python collect_data.py --env-id {args.env_id} --epsilon {args.epsilon:g} --overwrite" + (
         f" --dataset-path {path}" if args.dataset_path else "")
-    if not path.exists():
+    try:
+        exists = path.exists()
+    except OSError as e:  # e.g. a name longer than the file system allows
+        fail(f"dataset path {path} is invalid ({e.strerror}); pass another --dataset-path")
+    if not exists:
         if args.dataset_path:
             fail(f"dataset {path} not found; create it with: {how}")
         if not (REPO / "behavior_policies" / f"{args.env_id}.npz").exists():
@@ -292,8 +297,8 @@ def run_directory(args: Args):
     run or a running one."""
     name = args.run_name or f"{args.env_id}__eps{args.epsilon:g}__{args.exp_name}__{args.seed}__{int(time.time())}"
     run_dir = Path(args.runs_dir) / name
-    created = [p for p in (run_dir, *run_dir.parents) if not p.exists()]  # removed again if the run fails
     try:
+        created = [p for p in (run_dir, *run_dir.parents) if not p.exists()]  # removed again if the run fails
         run_dir.mkdir(parents=True, exist_ok=True)
         fd = os.open(run_dir, os.O_RDONLY)
     except OSError as e:

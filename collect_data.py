@@ -28,6 +28,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional
 
+if __name__ == "__main__":  # an interrupt while the libraries below load has nothing to clean up: one line, exit 130
+    def _interrupted(*_):
+        print(f"{Path(sys.argv[0]).name}: interrupted; no partial dataset was kept", file=sys.stderr)
+        os._exit(130)
+    signal.signal(signal.SIGINT, _interrupted)
+    signal.signal(signal.SIGTERM, _interrupted)
+
 import gymnasium as gym
 import numpy as np
 import tyro
@@ -302,9 +309,13 @@ def collect(args: Args, env_id: str, epsilon: float, weights: dict, behavior_pat
           f"behaviour return {returns.mean():.1f} +- {returns.std():.1f} ({len(returns)} episodes)")
 
 
+CREATED: list[Path] = []  # directories this invocation made: removed again (if empty) when it fails
+
+
 def writable_directory(path: Path) -> None:
     """Fail now, in one line, where the dataset could not be written later (after minutes of collection)."""
     try:
+        CREATED.extend(p for p in (path.parent, *path.parent.parents) if not p.exists())
         path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryFile(dir=path.parent):
             pass
@@ -343,9 +354,13 @@ def main(args: Args) -> None:
     weights = load_behavior(behavior_path, env)
     for eps in args.epsilon:
         out = Path(args.dataset_path) if args.dataset_path else default_dataset_path(args.env_id, eps)
-        if out.is_dir():
+        try:
+            is_dir, exists = out.is_dir(), out.exists()
+        except OSError as e:  # e.g. a name longer than the file system allows
+            fail(f"--dataset-path {out} is invalid ({e.strerror})")
+        if is_dir:
             fail(f"--dataset-path {out} is a directory; name the .npz file to write")
-        if out.exists() and not args.overwrite:
+        if exists and not args.overwrite:
             print(f"{out} exists; keeping it (use --overwrite to regenerate)")
             continue
         writable_directory(out)
@@ -358,9 +373,15 @@ def main(args: Args) -> None:
 
 
 if __name__ == "__main__":
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # stopped like interrupted: no partial file stays
     try:
         main(tyro.cli(Args))
-    except KeyboardInterrupt:
-        print(f"{Path(sys.argv[0]).name}: interrupted; no partial dataset was kept", file=sys.stderr)
-        raise SystemExit(130)
+    except BaseException as e:
+        for directory in CREATED:  # deepest first; a directory holding an earlier, complete dataset stays
+            with contextlib.suppress(OSError):
+                directory.rmdir()
+        if isinstance(e, KeyboardInterrupt):
+            print(f"{Path(sys.argv[0]).name}: interrupted; no partial dataset was kept", file=sys.stderr)
+            raise SystemExit(130)
+        raise

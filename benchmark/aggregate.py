@@ -32,7 +32,10 @@ import math
 import os
 import re
 import shlex
+import shutil
+import signal
 import sys
+import tempfile
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -600,7 +603,11 @@ def _main(argv: list[str] | None = None) -> int:
     opts = p.parse_args(argv)
     try:
         root = opts.results_dir
-        if not root.is_dir():
+        try:
+            is_dir = root.is_dir()
+        except OSError as e:
+            raise AggregateError(f"results directory '{root}' is invalid ({e.strerror})") from None
+        if not is_dir:
             raise AggregateError(f"results directory '{root}' does not exist")
         if opts.expected_seeds is not None and opts.expected_seeds < 1:
             raise AggregateError("--expected-seeds must be >= 1")
@@ -624,7 +631,17 @@ def _main(argv: list[str] | None = None) -> int:
         print(f"aggregate.py: error: {e}", file=sys.stderr)
         return 2
 
-    out = opts.out or root / "report"
+    final = opts.out or root / "report"
+    # the report is written to a scratch directory and moved into place at the end: an interrupted or failed
+    # aggregation leaves the earlier report as it was
+    out = Path(tempfile.mkdtemp(prefix="aggregate."))
+    try:
+        return write_report(opts, argv, root, runs, skipped, out, final)
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+
+
+def write_report(opts, argv, root: Path, runs, skipped, out: Path, final: Path) -> int:
     command = shlex.join(["python", "benchmark/aggregate.py", *argv])
     text, info = build_report(root, runs, skipped, opts.expected_seeds, load_paper(opts.paper_csv),
                                           read_invocations(root), command, opts.algos)
@@ -663,10 +680,22 @@ def _main(argv: list[str] | None = None) -> int:
         plots = [] if opts.no_plots else plot_curves(info, out, opts.smooth)
     except OSError as e:
         raise AggregateError(f"cannot write the learning curves to {out} ({e.strerror or e})") from None
+    try:
+        final.mkdir(parents=True, exist_ok=True)
+        for f in sorted(out.iterdir()):
+            shutil.move(str(f), final / f.name)
+    except OSError as e:
+        raise AggregateError(f"cannot write the report to {final} ({e.strerror or e}); pass a writable --out") from None
     print(text)
-    print(f"wrote {out / 'table1.md'}, {out / 'configs.csv'}, {out / 'runs.csv'}" + "".join(f", {p}" for p in plots), file=sys.stderr)
+    print(f"wrote {final / 'table1.md'}, {final / 'configs.csv'}, {final / 'runs.csv'}"
+          + "".join(f", {final / p.name}" for p in plots), file=sys.stderr)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # stopped like interrupted
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:
+        print("aggregate.py: interrupted; the report was not changed", file=sys.stderr)
+        sys.exit(130)

@@ -204,12 +204,13 @@ def load_grid_file(path: Path, algos: list[str]) -> dict[str, dict[str, list]]:
 
 
 def check_values(values: list, where: str) -> list:
-    """Sweep values are finite numbers, booleans or strings, at least one."""
+    """Sweep values are numbers (not NaN; inf where a script accepts it, e.g. brpo's kappa_max), booleans or
+    strings, at least one."""
     if not values:
         raise GridError(f"{where}: no values")
     for v in values:
-        if not isinstance(v, (bool, int, float, str)) or (isinstance(v, float) and not math.isfinite(v)):
-            raise GridError(f"{where}: {v!r} is not a finite number, a boolean or a string")
+        if not isinstance(v, (bool, int, float, str)) or (isinstance(v, float) and math.isnan(v)):
+            raise GridError(f"{where}: {v!r} is not a number, a boolean or a string")
     return values
 
 

@@ -183,7 +183,7 @@ def test_command_format():
     (["--grid", "/nonexistent.json"], "not found"),
     (["--seeds", "-1"], "seeds must lie in"),
     (["--grid", "/"], "not a readable JSON file"),
-    (["--sweep", "bc:learning_rate=nan"], "not a finite number"),
+    (["--sweep", "bc:learning_rate=nan"], "is not a number"),
     (["--threads", "100000"], "--threads must be at most"),
 ])
 def test_bad_input_one_line_error(argv, message, capsys, tmp_path):

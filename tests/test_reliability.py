@@ -112,6 +112,8 @@ BAD_ARGS = {
     "observations not a vector": (dict(env_id="FrozenLake-v1", dataset_path=None), "only vector observations"),
     "run name with a newline": (dict(run_name="a\nb"), "printable characters"),
     "run name not UTF-8": (dict(run_name="\udcff"), "printable characters"),
+    "run name too long": (dict(run_name="a" * 300), "at most 200"),
+    "dataset name too long": (dict(dataset_path="/tmp/" + "a" * 300 + ".npz"), "File name too long"),
     "empty runs dir": (dict(runs_dir=""), "--runs-dir must not be empty"),
     "empty checkpoint": (dict(eval_checkpoint=""), "--eval-checkpoint must not be empty"),
 }
@@ -319,3 +321,16 @@ def test_interrupt_while_loading_is_one_line(sig, delay, datasets, tmp_path):
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130 and err.strip().splitlines() == ["dqn_offline.py: interrupted; nothing written"], err
     assert not (tmp_path / "runs").exists()
+
+
+def test_collect_data_interrupted_leaves_no_directory(tmp_path):
+    out = tmp_path / "new" / "deeper" / "d.npz"
+    proc = subprocess.Popen([sys.executable, REPO / "collect_data.py", "--epsilon", "0.15", "--num-transitions",
+                             "5000000", "--dataset-path", out], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True)
+    time.sleep(3.0)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and err.strip().splitlines() == [
+        "collect_data.py: interrupted; no partial dataset was kept"], err
+    assert list(tmp_path.iterdir()) == []
