@@ -17,6 +17,7 @@ For diagnosis only: the variants are not methods (lam-const is BRPO-C's confiden
 
 from __future__ import annotations
 
+import statistics
 import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -27,6 +28,7 @@ import tyro
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import brpo  # noqa: E402
+import common  # noqa: E402
 
 VARIANTS = ("pi", "beta", "greedy", "lam-const", "w-zero", "no-pess", "uniform")
 
@@ -82,7 +84,7 @@ def main(args: Args) -> None:
         beta = behavior(obs)
         one_hot = torch.nn.functional.one_hot(beta.argmax(1), beta.shape[1]).double()
         if variant == "pi":  # exactly what brpo.py deploys
-            return brpo.policy_probs(obs, beta, q_network, confidence, deployed, n_updates, unit)[0]
+            return brpo.policy_probs(obs, beta, q_network, confidence, deployed, n_updates, unit)
         if variant == "beta":
             return beta
         if variant == "greedy":
@@ -100,15 +102,15 @@ def main(args: Args) -> None:
         return beta + gain.clamp(0.0, 1.0) * (one_hot - beta)
 
     if args.certificate:
-        data = np.load(saved.dataset_path or brpo.REPO / "datasets" / f"{ckpt['env_id']}_eps{ckpt['epsilon']:g}.npz")
+        data = np.load(saved.dataset_path or common.REPO / "datasets" / f"{ckpt['env_id']}_eps{ckpt['epsilon']:g}.npz")
         data = {k: data[k] for k in ("observations", "next_observations", "actions", "rewards", "terminals",
                                      "timeouts", "behavior_probs")}
         beta_batch = data["behavior_probs"].astype(np.float64)
         beta_batch /= beta_batch.sum(1, keepdims=True)  # as brpo.py does
-        cert, reason = brpo.certificate_data(data, beta_batch, saved.certificate_gamma, behavior)
+        cert, reason = common.certificate_data(data, beta_batch, saved.certificate_gamma, behavior)
         if reason:
             raise SystemExit(f"error: no certificate: {reason}")
-        z = brpo.statistics.NormalDist().inv_cdf(saved.certificate_confidence)
+        z = statistics.NormalDist().inv_cdf(saved.certificate_confidence)
         cert_obs = torch.from_numpy(data["observations"][cert["rows"]])
         with torch.no_grad():
             q = q_network(cert_obs).double().numpy()
@@ -118,8 +120,8 @@ def main(args: Args) -> None:
         for variant in args.variants:
             with torch.no_grad():
                 pi = probs(variant, cert_obs).double().numpy()
-            c = brpo.improvement_certificate(pi, q, cert, z)
-            tv = brpo.tv_to_beta(pi, cert["beta"])
+            c = common.improvement_certificate(pi, q, cert, z)
+            tv = common.tv_to_beta(pi, cert["beta"])
             print(f"  {variant:10s} {c['certificate']:8.2f} +- {c['certificate_se']:.2f}  lcb {c['certificate_lcb']:8.2f}"
                   f"  tv {tv:.4f}" + ("  certified" if c["certified"] else ""), flush=True)
 

@@ -245,16 +245,27 @@ def expand_grid(envs, epsilons, algos, seeds, grid: dict[str, dict[str, list]] |
 
 
 def script_flags(script: Path) -> set[str] | None:
-    """Field names of the script's `Args` dataclass (its flags, underscore spelling), read with ast so that the
-    list cannot drift from the scripts; None if the script or its Args class cannot be read."""
-    try:
-        tree = ast.parse(Path(script).read_text())
-    except (OSError, SyntaxError):
-        return None
-    for node in tree.body:
-        if isinstance(node, ast.ClassDef) and node.name == "Args":
-            return {t.target.id for t in node.body if isinstance(t, ast.AnnAssign) and isinstance(t.target, ast.Name)}
-    return None
+    """Field names of the script's `Args` dataclass (its flags, underscore spelling) with those of its base classes in
+    common.py (the shared flags), read with ast so that the list cannot drift from the scripts; None if the script or
+    its Args class cannot be read."""
+    def classes(path: Path) -> dict:
+        try:
+            return {n.name: n for n in ast.parse(path.read_text()).body if isinstance(n, ast.ClassDef)}
+        except (OSError, SyntaxError):
+            return {}
+
+    shared = classes(Path(script).parent / "common.py")
+
+    def fields(node: ast.ClassDef) -> set[str]:
+        own = {t.target.id for t in node.body if isinstance(t, ast.AnnAssign) and isinstance(t.target, ast.Name)}
+        for base in node.bases:  # common.TDArgs or TDArgs
+            name = base.attr if isinstance(base, ast.Attribute) else getattr(base, "id", None)
+            if name in shared:
+                own |= fields(shared[name])
+        return own
+
+    args = classes(Path(script)).get("Args")
+    return fields(args) if args is not None else None
 
 
 def unknown_flag_warnings(grid: dict[str, dict[str, list]], repo: Path | None = None) -> list[str]:

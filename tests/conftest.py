@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # the scripts import common.py from their directory, as `python script.py` does
 ALGORITHMS = ("dqn_offline.py", "bc.py", "brpo.py", "brpo_c.py", "bcq_discrete.py", "klq.py", "spibb.py")
 
 

@@ -220,7 +220,7 @@ def test_spibb_target_is_expectation_under_pi_spibb(spibb, epsilon):
 def test_spibb_beta_from_behaviour_network_matches_dataset(spibb, data):
     for eps, path in data.items():
         with np.load(path) as f:
-            weights = {k.removeprefix("behavior_"): f[k] for k in spibb.BEHAVIOR_KEYS}
+            weights = {k: f[f"behavior_{k}"] for k in spibb.common.BEHAVIOR_KEYS}
             for obs_key, probs_key in (("observations", "behavior_probs"), ("next_observations", "next_behavior_probs")):
                 assert np.allclose(spibb.behavior_probs(weights, eps, f[obs_key]), f[probs_key], atol=1e-6)
 
@@ -229,7 +229,7 @@ def test_spibb_evaluation_policy(spibb, data, tmp_path):
     """Sampling acts only with actions pi_spibb gives mass to, both ways are reproducible, and with
     CartPole eps <= 0.25 pi_spibb is beta itself (its non-greedy action has beta < 0.2)."""
     with np.load(data[0.05]) as f:
-        weights = {k.removeprefix("behavior_"): f[k] for k in spibb.BEHAVIOR_KEYS}
+        weights = {k: f[f"behavior_{k}"] for k in spibb.common.BEHAVIOR_KEYS}
         obs = f["observations"][:500]
     q_network = spibb.QNetwork(4, 2)
     beta = torch.from_numpy(spibb.behavior_probs(weights, 0.05, obs)).float()

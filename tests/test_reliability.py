@@ -87,8 +87,8 @@ def test_convertible_dtypes_are_converted_not_reinterpreted(name, datasets, tmp_
         obs, actions, terminals = f["observations"], f["actions"], f["terminals"]
     path = rewritten(src, tmp_path / "wide.npz", observations=obs.astype(np.float64), actions=actions.astype(np.int32),
                      terminals=terminals.astype(np.uint8))
-    _, d = module.load_dataset(module.Args(dataset_path=path), 4, 2)
-    _, ref = module.load_dataset(module.Args(dataset_path=str(src)), 4, 2)
+    _, d = module.common.load_dataset(module.Args(dataset_path=path), 4, 2)
+    _, ref = module.common.load_dataset(module.Args(dataset_path=str(src)), 4, 2)
     for k in ("observations", "actions", "terminals"):
         assert d[k].dtype == ref[k].dtype and np.array_equal(d[k], ref[k]), k
 

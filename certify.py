@@ -1,0 +1,99 @@
+"""Does a saved policy improve on the behaviour policy of its batch? The improvement certificate, for any script's
+model.pt (--save-model), from the logged returns of the batch alone.
+
+    python certify.py runs/<run-name>/model.pt
+    python certify.py runs/<run-name>/model.pt --dataset-path my_batch.npz --confidence 0.99
+
+It estimates the first-order improvement g of pi over beta along beta + c (pi - beta) (the policy-gradient identity,
+doubly robust, cross-fitted over episodes), its standard error over the logged episodes, and the one-sided lower
+bound g - z se: "certified" when that bound is above 0. What this does and does not guarantee: docs/brpo.md,
+"The improvement certificate". The control variate uses the policy's own critic where it has one (the behaviour
+network's Q otherwise); brpo.py and brpo_c.py report the same number at every evaluation of their training.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import statistics
+import sys
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+import torch
+import tyro
+
+import common
+from common import fail
+
+SCRIPTS = ("bc", "dqn_offline", "klq", "bcq_discrete", "spibb", "brpo", "brpo_c")
+
+
+@dataclass
+class Args:
+    checkpoint: tyro.conf.Positional[str]
+    """model.pt written by any algorithm script's --save-model"""
+    dataset_path: Optional[str] = None
+    """the batch to certify on; default: the one the model was trained on"""
+    confidence: float = 0.95
+    """one-sided confidence level of the lower bound"""
+    certificate_gamma: float = 0.99
+    """discount of the logged returns-to-go (1.0: the undiscounted return, noisier)"""
+    greedy: bool = False
+    """certify the argmax policy instead of the stochastic one (scripts that act greedily are certified greedy anyway)"""
+    json: bool = False
+    """print the result as one JSON object"""
+
+
+def load_script(name: str):
+    spec = importlib.util.spec_from_file_location(f"_certify_{name}", common.REPO / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve annotations through sys.modules
+    spec.loader.exec_module(module)
+    return module
+
+
+def main(args: Args) -> None:
+    if not 0.5 <= args.confidence <= 1.0 - 1e-9:
+        fail(f"--confidence must lie in [0.5, 1), got {args.confidence}")
+    if not 0.0 <= args.certificate_gamma <= 1.0:
+        fail(f"--certificate-gamma must lie in [0, 1], got {args.certificate_gamma}")
+    torch.set_num_threads(1)
+    ckpt = common.load_checkpoint(args.checkpoint, "", {"args": dict})
+    if ckpt["algorithm"] not in SCRIPTS:
+        fail(f"checkpoint {args.checkpoint} was saved by {ckpt['algorithm']}.py, which this repository does not have")
+    ckpt, _, probs, q_function = load_script(ckpt["algorithm"]).load_policy(args.checkpoint, args.greedy)
+    saved = ckpt["args"]
+    epsilon = saved.get("epsilon")
+    if not isinstance(epsilon, float):
+        fail(f"checkpoint {args.checkpoint} has no epsilon in its args; save it again with --save-model")
+    run = common.RunArgs(env_id=ckpt["env_id"], epsilon=epsilon, batch_size=1,
+                         dataset_path=args.dataset_path or saved.get("dataset_path"))
+    dataset_path, data = common.load_dataset(run, ckpt["obs_dim"], ckpt["n_actions"], behavior_network=True)
+    beta = data["behavior_probs"].astype(np.float64)
+    beta /= beta.sum(1, keepdims=True)  # as brpo.py: sum_a (pi - beta) = 0 to rounding
+    behavior = common.BehaviorPolicy({k: data[f"behavior_{k}"] for k in common.BEHAVIOR_KEYS}, float(data["epsilon"]))
+    cert, reason = common.certificate_data(data, beta, args.certificate_gamma, behavior)
+    if reason:
+        fail(f"dataset {dataset_path} cannot certify: {reason}")
+    obs = data["observations"][cert["rows"]]
+    pi = probs(obs, cert["beta"])
+    q = q_function(obs) if q_function else cert["q_b"]
+    if not (np.isfinite(pi).all() and np.isfinite(q).all()):
+        fail(f"checkpoint {args.checkpoint} gives NaN or inf probabilities or values on the batch's states")
+    z = statistics.NormalDist().inv_cdf(args.confidence)
+    c = {**common.improvement_certificate(pi, q, cert, z), "tv_to_beta": common.tv_to_beta(pi, cert["beta"]),
+         "episodes": cert["n_episodes"], "confidence": args.confidence, "dataset_path": str(dataset_path),
+         "algorithm": ckpt["algorithm"]}
+    if args.json:
+        print(json.dumps(c))
+        return
+    print(f"{args.checkpoint} ({ckpt['algorithm']}.py) against beta on {dataset_path}: improvement {c['certificate']:.4g} "
+          f"+- {c['certificate_se']:.3g} over {c['episodes']} logged episodes, {args.confidence:.0%} lower bound "
+          f"{c['certificate_lcb']:.4g}: {'certified' if c['certified'] else 'not certified'} (mean total variation to "
+          f"beta {c['tv_to_beta']:.3g})")
+
+
+if __name__ == "__main__":
+    common.cli(Args, main)
