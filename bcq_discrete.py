@@ -192,9 +192,7 @@ def train(args: Args, data: dict, dataset_path: Path, run_dir: Path, writer, obs
     network = BCQNetwork(obs_dim, n_actions)
     target_network = BCQNetwork(obs_dim, n_actions)  # only its Q-values are used
     target_network.load_state_dict(network.state_dict())
-    # One optimizer on the summed loss, as in the authors' code. fused=True: the same Adam update,
-    # done by one kernel for all parameter tensors instead of a Python loop over them (about 4x
-    # cheaper per step on CPU; the throughput target relies on it).
+    # one optimizer on the summed loss, as in the authors' code; fused: the same Adam update in one kernel
     optimizer = torch.optim.Adam(network.parameters(), lr=args.learning_rate, fused=True)
     log_tau = log_threshold(args.bcq_threshold)
     eval_envs = [make_env(args.env_id) for _ in range(args.eval_episodes)]
