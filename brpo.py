@@ -38,7 +38,7 @@ import torch
 import torch.nn as nn
 
 import common
-from common import BEHAVIOR_KEYS, BehaviorPolicy, Evaluations, check_finite, evaluate, fail, load_checkpoint, make_env
+from common import Evaluations, check_finite, evaluate, fail, load_checkpoint, make_env
 
 
 @dataclass
@@ -547,12 +547,12 @@ def make_actor(behavior, q_network, confidence, args, greedy: bool):
 
 def load_policy(path: str, greedy: bool = False, eval_seed: int = 10_000):
     """A saved policy (--eval-checkpoint, certify.py): checkpoint, act(obs), probs(obs, beta) -> pi(.|s), critic Q(s, .)."""
-    ckpt = load_checkpoint(path, Path(__file__).stem, dict(q_network=dict, behavior=dict, epsilon=float, args=dict,
-                           n_updates=int, advantage_unit=float, deploy_pi=bool, deploy_pessimism=float))
+    ckpt = load_checkpoint(path, Path(__file__).stem, dict(q_network=dict, behavior=dict, args=dict, n_updates=int,
+                                                           advantage_unit=float, deploy_pi=bool, deploy_pessimism=float))
     saved = common.saved_args(ckpt, Args, check_args, path)  # the policy's own settings; evaluation's from the flags
     common.require(ckpt["advantage_unit"] > 0 and 0.0 <= ckpt["deploy_pessimism"] <= 1e3,
                    f"checkpoint {path}: its advantage unit or deployed pessimism is invalid")
-    behavior = BehaviorPolicy(common.behavior_weights(ckpt, path), ckpt["epsilon"])
+    behavior = common.behavior_from_checkpoint(ckpt, path)
     q_network = QNetwork(ckpt["obs_dim"], ckpt["n_actions"])
     common.load_weights(path, q_network, ckpt["q_network"])
     confidence = load_confidence(ckpt, saved, path)
@@ -597,7 +597,7 @@ def train(args: Args, data: dict, dataset_path: Path, run_dir: Path, writer, obs
                             data["rewards"][:, None], bootstrap[:, None]], 1, dtype=np.float32)
     columns = (slice(0, obs_dim), slice(obs_dim, 2 * obs_dim), slice(2 * obs_dim, 2 * obs_dim + n_actions),
                2 * obs_dim + n_actions, 2 * obs_dim + n_actions + 1)  # s, s', beta(.|s'), r, gamma (1 - terminal)
-    behavior = BehaviorPolicy({k: data[f"behavior_{k}"] for k in BEHAVIOR_KEYS}, float(data["epsilon"]))
+    behavior = common.behavior_policy(data)
     cert, z = common.deployment_certificate(args, data, beta_all, behavior)
     cert_obs, cert_beta = (obs[cert["rows"]], behavior_probs[cert["rows"]]) if cert else (None, None)
     certificate = {}
@@ -688,8 +688,7 @@ def train(args: Args, data: dict, dataset_path: Path, run_dir: Path, writer, obs
              "deployed_pessimism": actor_state["args"].pessimism}
     log.finish("brpo", data, dataset_path, run_dir, extra, {
         "obs_dim": obs_dim, "n_actions": n_actions, "q_network": q_network.state_dict(),
-        "confidence": confidence.state_dict(), "epsilon": float(data["epsilon"]), "n_updates": args.total_steps,
-        "behavior": {k: torch.as_tensor(data[f"behavior_{k}"]) for k in BEHAVIOR_KEYS},
+        "confidence": confidence.state_dict(), "n_updates": args.total_steps, **common.behavior_spec(data),
         "deploy_pi": actor_state["deploy_pi"], "deploy_pessimism": actor_state["args"].pessimism,
         "advantage_unit": unit})
     common.report_certificate(certificate, cert and cert["n_episodes"], args, actor_state["deploy_pi"],

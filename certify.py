@@ -73,7 +73,7 @@ def main(args: Args) -> None:
     dataset_path, data = common.load_dataset(run, ckpt["obs_dim"], ckpt["n_actions"], behavior_network=True)
     beta = data["behavior_probs"].astype(np.float64)
     beta /= beta.sum(1, keepdims=True)  # as brpo.py: sum_a (pi - beta) = 0 to rounding
-    behavior = common.BehaviorPolicy({k: data[f"behavior_{k}"] for k in common.BEHAVIOR_KEYS}, float(data["epsilon"]))
+    behavior = common.behavior_policy(data)
     cert, reason = common.certificate_data(data, beta, args.certificate_gamma, behavior)
     if reason:
         fail(f"dataset {dataset_path} cannot certify: {reason}")

@@ -39,7 +39,7 @@ import gymnasium as gym
 import numpy as np
 import tyro
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # docs/formats.md
 REPO = Path(__file__).resolve().parent
 PAPER_EPSILONS = (0.05, 0.15, 0.25, 0.5, 1.0)
 # Behaviour training budget in environment steps (paper appendix "Behavior policy").
@@ -62,7 +62,8 @@ DATASET_KEYS = (
     "observations", "actions", "rewards", "next_observations", "terminals", "timeouts",
     "behavior_probs", "next_behavior_probs", "behavior_w0", "behavior_b0", "behavior_w1",
     "behavior_b1", "behavior_w2", "behavior_b2", "epsilon", "env_id", "behavior_return",
-    "behavior_return_std", "format_version", "settings_json",
+    "behavior_return_std", "format_version", "settings_json", "behavior_kind", "behavior_temperature",
+    "behavior_floor",
 )
 
 
@@ -304,6 +305,7 @@ def collect(args: Args, env_id: str, epsilon: float, weights: dict, behavior_pat
         epsilon=np.float64(epsilon), env_id=np.array(env_id),
         behavior_return=np.float64(returns.mean()), behavior_return_std=np.float64(returns.std()),
         format_version=np.int64(FORMAT_VERSION), settings_json=np.array(json.dumps(settings)),
+        behavior_kind=np.array("epsilon_greedy"), behavior_temperature=np.float64(1.0), behavior_floor=np.float64(0.0),
     )
     print(f"wrote {out}: {N} transitions, {len(episode_returns)} episodes, "
           f"behaviour return {returns.mean():.1f} +- {returns.std():.1f} ({len(returns)} episodes)")

@@ -31,7 +31,8 @@ import tyro
 from torch.utils.tensorboard import SummaryWriter
 
 REPO = Path(__file__).resolve().parent
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # of datasets; 1: collect_data.py's datasets before imported ones (still read)
+RESULT_FORMAT_VERSION = 1  # of result.json
 BEHAVIOR_KEYS = ("w0", "b0", "w1", "b1", "w2", "b2")  # the behaviour Q-network obs -> 32 -> 16 -> |A| (docs/formats.md)
 
 
@@ -175,13 +176,16 @@ def make_env(env_id: str) -> gym.Env:
 
 
 class BehaviorPolicy:
-    """beta(a|s) = (1-eps) 1[a = argmax Q_b(s,.)] + eps/|A| from the behaviour network stored in the dataset
-    (docs/formats.md), in float64 like collect_data.py so that near-ties resolve to the same action."""
+    """beta(.|s) at any state from the behaviour network stored in the dataset (docs/formats.md), in float64 like
+    collect_data.py so that near-ties resolve to the same action. kind "epsilon_greedy" (collect_data.py):
+    beta(a|s) = (1-eps) 1[a = argmax Q_b(s,.)] + eps/|A|; kind "softmax" (import_data.py's fitted model):
+    beta(a|s) = floor + (1 - |A| floor) softmax(f(s) / temperature)_a."""
 
-    def __init__(self, weights: dict, epsilon: float):
+    def __init__(self, weights: dict, epsilon: float, kind: str = "epsilon_greedy", temperature: float = 1.0,
+                 floor: float = 0.0):
         self.layers = [(torch.as_tensor(weights[f"w{i}"], dtype=torch.float64),
                         torch.as_tensor(weights[f"b{i}"], dtype=torch.float64)) for i in range(3)]
-        self.epsilon = float(epsilon)
+        self.epsilon, self.kind, self.temperature, self.floor = float(epsilon), kind, float(temperature), float(floor)
 
     def q_values(self, obs: torch.Tensor) -> torch.Tensor:
         h = obs.double()
@@ -193,9 +197,28 @@ class BehaviorPolicy:
 
     def __call__(self, obs: torch.Tensor) -> torch.Tensor:
         h = self.q_values(obs)
+        if self.kind == "softmax":
+            return self.floor + (1.0 - h.shape[1] * self.floor) * torch.softmax(h / self.temperature, 1)
         probs = torch.full_like(h, self.epsilon / h.shape[1])
         probs[torch.arange(h.shape[0]), h.argmax(1)] += 1.0 - self.epsilon  # first index on ties
         return probs
+
+
+BEHAVIOR_KINDS = ("epsilon_greedy", "softmax")
+
+
+def behavior_spec(d: dict) -> dict:
+    """The behaviour model of a validated dataset (load_dataset(..., behavior_network=True)), as a checkpoint keeps it."""
+    return {"behavior": {k: torch.as_tensor(d[f"behavior_{k}"]) for k in BEHAVIOR_KEYS}, "epsilon": float(d["epsilon"]),
+            "behavior_kind": d["behavior_kind"], "behavior_temperature": d["behavior_temperature"],
+            "behavior_floor": d["behavior_floor"]}
+
+
+def behavior_policy(d: dict) -> BehaviorPolicy:
+    """beta at any state, from a validated dataset or from a checkpoint's behavior_spec."""
+    weights = d["behavior"] if "behavior" in d else {k: d[f"behavior_{k}"] for k in BEHAVIOR_KEYS}
+    return BehaviorPolicy(weights, d["epsilon"], d.get("behavior_kind", "epsilon_greedy"),
+                          d.get("behavior_temperature", 1.0), d.get("behavior_floor", 0.0))
 
 
 def load_dataset(args, obs_dim: int, n_actions: int, behavior_network: bool = False) -> tuple[Path, dict]:
@@ -227,12 +250,14 @@ def load_dataset(args, obs_dim: int, n_actions: int, behavior_network: bool = Fa
             "next_behavior_probs": ("real", (n_actions,))}
     layout = {"w0": (32, obs_dim), "b0": (32,), "w1": (16, 32), "b1": (16,), "w2": (n_actions, 16), "b2": (n_actions,)}
     keys = (*spec, *(f"behavior_{k}" for k in layout)) if behavior_network else tuple(spec)
+    v2 = ("behavior_kind", "behavior_temperature", "behavior_floor")  # format 2: the behaviour model's kind
     try:
         with np.load(path, allow_pickle=False) as f:
             missing = [k for k in keys if k not in f.files]
             if missing:
-                fail(f"dataset {path} lacks {missing}: it was not written by collect_data.py; recreate it with: {how}")
-            d = {k: f[k] for k in keys}
+                fail(f"dataset {path} lacks {missing}: it was not written by collect_data.py or import_data.py; "
+                     f"recreate it with: {how}")
+            d = {k: f[k] for k in (*keys, *(k for k in v2 if k in f.files))}
     except SystemExit:
         raise
     except Exception as e:  # truncated or corrupt zip, an object array (pickle), I/O error
@@ -245,10 +270,14 @@ def load_dataset(args, obs_dim: int, n_actions: int, behavior_network: bool = Fa
                  f"{dict(real='numbers', int='integers', bool='booleans', str='a string')[kind]}; recreate it with: {how}")
         if row is None and x.ndim != 0:
             fail(f"dataset {path}: {k} has shape {x.shape}, expected a single value; recreate it with: {how}")
-        if k == "format_version" and int(x) != FORMAT_VERSION:
-            fail(f"dataset {path} has format version {int(x)}, expected {FORMAT_VERSION}; recreate it with: {how}")
+        if k == "format_version" and int(x) not in (1, FORMAT_VERSION):
+            fail(f"dataset {path} has format version {int(x)}, expected 1 or {FORMAT_VERSION}; recreate it with: {how}")
+        if k == "format_version":
+            d.update(read_behavior_kind(d, int(x), path, how))
         if k == "env_id" and str(x) != args.env_id:
             fail(f"dataset {path} was recorded on {x}, not {args.env_id}; pass --env-id {x} or another dataset")
+        if k == "epsilon" and d["behavior_kind"] == "softmax" and math.isnan(float(x)):
+            continue  # an imported dataset: its behaviour policy has no epsilon, and --epsilon is only a label
         if k == "epsilon" and not 0.0 <= float(x) <= 1.0:
             fail(f"dataset {path} has epsilon {float(x)}, outside [0, 1]; recreate it with: {how}")
         if k == "epsilon" and not np.isclose(float(x), args.epsilon):
@@ -286,11 +315,26 @@ def load_dataset(args, obs_dim: int, n_actions: int, behavior_network: bool = Fa
                      f"obs -> 32 -> 16 -> {n_actions}); recreate it with: {how}")
             d[f"behavior_{k}"] = w.astype(np.float32, copy=False)
         check = torch.from_numpy(d["observations"][:1000])  # beta at unseen states comes from the stored network
-        beta = BehaviorPolicy({k: d[f"behavior_{k}"] for k in layout}, float(d["epsilon"]))(check).numpy()
-        if not np.allclose(beta, d["behavior_probs"][:1000], atol=1e-5):
+        beta = behavior_policy(d)(check).numpy()
+        # an imported dataset's logged propensities are authoritative; its network estimates beta elsewhere
+        if d["behavior_kind"] == "epsilon_greedy" and not np.allclose(beta, d["behavior_probs"][:1000], atol=1e-5):
             fail(f"dataset {path}: behavior_probs disagree with the stored behaviour network and epsilon; "
                  f"recreate it with: {how}")
     return path, d
+
+
+def read_behavior_kind(d: dict, version: int, path: Path, how: str) -> dict:
+    """The behaviour model's kind and parameters: format 1 is always epsilon-greedy."""
+    if version == 1:
+        return {"behavior_kind": "epsilon_greedy", "behavior_temperature": 1.0, "behavior_floor": 0.0}
+    missing = [k for k in ("behavior_kind", "behavior_temperature", "behavior_floor") if k not in d]
+    if missing:
+        fail(f"dataset {path} (format 2) lacks {missing}; recreate it with: {how}")
+    kind, temperature, floor = str(d["behavior_kind"]), float(d["behavior_temperature"]), float(d["behavior_floor"])
+    if kind not in BEHAVIOR_KINDS or not 0.0 < temperature < math.inf or not 0.0 <= floor < 0.5:
+        fail(f"dataset {path}: behaviour model {kind!r} (temperature {temperature}, floor {floor}) is not one of "
+             f"{list(BEHAVIOR_KINDS)} with a positive temperature and a floor in [0, 0.5); recreate it with: {how}")
+    return {"behavior_kind": kind, "behavior_temperature": temperature, "behavior_floor": floor}
 
 
 def evaluate(act, envs: list, seed: int) -> np.ndarray:
@@ -432,6 +476,17 @@ def load_weights(path: str, network: nn.Module, state: dict) -> None:
         fail(f"checkpoint {path} holds NaN or inf weights")
 
 
+def behavior_from_checkpoint(ckpt: dict, path: str) -> BehaviorPolicy:
+    """The behaviour model a checkpoint carries (behavior_spec), validated."""
+    weights = behavior_weights(ckpt, path)
+    kind = ckpt.get("behavior_kind", "epsilon_greedy")  # checkpoints from before format 2: epsilon-greedy
+    temperature, floor = ckpt.get("behavior_temperature", 1.0), ckpt.get("behavior_floor", 0.0)
+    if kind not in BEHAVIOR_KINDS or not isinstance(temperature, float) or not isinstance(floor, float) or not (
+            0.0 < temperature < math.inf and 0.0 <= floor < 0.5):
+        fail(f"checkpoint {path}: its behaviour model ({kind!r}, temperature {temperature}, floor {floor}) is invalid")
+    return BehaviorPolicy(weights, ckpt["epsilon"], kind, temperature, floor)
+
+
 def behavior_weights(ckpt: dict, path: str) -> dict:
     """The behaviour network a checkpoint carries (ckpt["behavior"], ckpt["epsilon"]), validated, as numpy arrays."""
     n_in, n_out = ckpt["obs_dim"], ckpt["n_actions"]
@@ -440,8 +495,10 @@ def behavior_weights(ckpt: dict, path: str) -> dict:
     if {k: tuple(getattr(v, "shape", ())) for k, v in weights.items()} != layout or not all(
             v.dtype in (torch.float32, torch.float64) and torch.isfinite(v).all() for v in weights.values()):
         fail(f"checkpoint {path} does not hold a finite behaviour network obs -> 32 -> 16 -> actions")
-    if not 0.0 <= ckpt["epsilon"] <= 1.0:
-        fail(f"checkpoint {path}: its epsilon {ckpt['epsilon']} is outside [0, 1]; save it again with --save-model")
+    epsilon = ckpt.get("epsilon")
+    if not isinstance(epsilon, float) or not (0.0 <= epsilon <= 1.0 or (
+            math.isnan(epsilon) and ckpt.get("behavior_kind") == "softmax")):
+        fail(f"checkpoint {path}: its epsilon {epsilon} is outside [0, 1]; save it again with --save-model")
     return {k: v.numpy() for k, v in weights.items()}
 
 
@@ -527,7 +584,7 @@ class Evaluations:
             "behavior_return": float(data["behavior_return"]), "wall_time": time.time() - self.start,
             "train_time": self.train_time, "eval_time": self.eval_time,
             "updates_per_second": args.total_steps / self.train_time, "dataset_path": str(dataset_path),
-            "format_version": FORMAT_VERSION, "extra": extra,
+            "format_version": RESULT_FORMAT_VERSION, "extra": extra,
         }
         if self.writer:
             self.writer.add_scalar("eval/final_score", final_score, args.total_steps)

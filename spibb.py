@@ -12,9 +12,9 @@ threshold on beta itself (the paper's "bootstrapping set threshold", 0.2, --spib
     y = r + gamma * (1 - terminal) * sum_a' pi_spibb(a'|s') Q_target(s', a')
 where the argmax inside the target is taken on Q_target, as in SPIBB-DQN without double DQN (so
 that threshold 0 gives exactly the offline DQN target). beta(.|s') comes from the dataset; at
-evaluation beta(.|s) is recomputed at the visited states from the stored behaviour Q-network and
-epsilon, beta(a|s) = (1 - eps) * 1[a = argmax Q_b(s)] + eps / |A| (float64, first index on ties,
-exactly the rule of collect_data.py), and pi_spibb uses the online Q.
+evaluation beta(.|s) is recomputed at the visited states from the behaviour model stored in the dataset
+(common.BehaviorPolicy: collect_data.py's epsilon-greedy rule, or import_data.py's fitted model), and
+pi_spibb uses the online Q.
 Evaluation samples actions from pi_spibb (default): the SPIBB policy is stochastic, and SPIBB-DQN acts
 by sampling it (np.random.choice with test epsilon 0). --eval-greedy acts with argmax pi_spibb instead.
 The sampling noise restarts from --eval-seed at every evaluation, so evaluations are reproducible.
@@ -82,17 +82,6 @@ class QNetwork(nn.Module):
 
 
 
-def behavior_probs(weights: dict, epsilon: float, obs: np.ndarray) -> np.ndarray:
-    """beta(.|s) at any states from the behaviour Q-network (float64, nn.Linear layout, first index on
-    ties): the rule collect_data.py used to act and to store behavior_probs."""
-    h = np.maximum(obs.astype(np.float64) @ weights["w0"].T.astype(np.float64) + weights["b0"], 0.0)
-    h = np.maximum(h @ weights["w1"].T.astype(np.float64) + weights["b1"], 0.0)
-    q = h @ weights["w2"].T.astype(np.float64) + weights["b2"]
-    probs = np.full(q.shape, epsilon / q.shape[1])
-    probs[np.arange(len(q)), q.argmax(1)] += 1.0 - epsilon
-    return probs
-
-
 # Masked-out actions get this value before a max: finite, so no inf - inf or 0 * inf = NaN anywhere.
 MASK_VALUE = -1e8
 
@@ -130,7 +119,7 @@ def spibb_constants(beta: torch.Tensor, threshold: float) -> tuple[torch.Tensor,
     return free_penalty, bootstrapped_beta, free_mass
 
 
-def make_policy(q_network: QNetwork, weights: dict, epsilon: float, threshold: float, greedy: bool, seed: int):
+def make_policy(q_network: QNetwork, behavior: common.BehaviorPolicy, threshold: float, greedy: bool, seed: int):
     """Acting function for evaluate(): pi_spibb at the visited states (beta from the behaviour network,
     Q from q_network), sampled or argmax. The sampling noise of the evaluation after k updates starts from
     seed + k (act.n_updates = k): each evaluation is reproducible on its own (a checkpoint re-evaluates to
@@ -140,7 +129,7 @@ def make_policy(q_network: QNetwork, weights: dict, epsilon: float, threshold: f
 
     def act(obs: np.ndarray) -> np.ndarray:
         with torch.no_grad():
-            beta = torch.from_numpy(behavior_probs(weights, epsilon, obs)).float()
+            beta = behavior(torch.from_numpy(obs)).float()
             pi = spibb_policy(q_network(torch.from_numpy(obs)), beta, threshold)
             if greedy:
                 return pi.argmax(1).numpy()
@@ -160,15 +149,14 @@ def check_args(args: Args) -> None:
 def load_policy(path: str, greedy: bool = False, eval_seed: int = 10_000):
     """A saved policy (--eval-checkpoint, certify.py): its checkpoint, act(obs) for evaluate(), probs(obs, beta) ->
     pi(.|s) and its critic's Q(s, .). beta and the threshold are part of the policy: the ones it was trained with."""
-    ckpt = load_checkpoint(path, "spibb", {"q_network": dict, "behavior": dict, "epsilon": float, "args": dict,
-                                           "n_updates": int})
+    ckpt = load_checkpoint(path, "spibb", {"q_network": dict, "behavior": dict, "args": dict, "n_updates": int})
     threshold = ckpt["args"].get("spibb_threshold")
     if not isinstance(threshold, float) or not 0.0 <= threshold <= 1.0:
         fail(f"checkpoint {path} has no --spibb-threshold in [0, 1]; save it again with --save-model")
-    weights = common.behavior_weights(ckpt, path)
+    behavior = common.behavior_from_checkpoint(ckpt, path)
     q_network = QNetwork(ckpt["obs_dim"], ckpt["n_actions"])
     load_weights(path, q_network, ckpt["q_network"])
-    act = make_policy(q_network, weights, ckpt["epsilon"], threshold, greedy, eval_seed)
+    act = make_policy(q_network, behavior, threshold, greedy, eval_seed)
     act.n_updates = ckpt["n_updates"]  # the sampling noise of the run's own evaluation at that point
 
     def probs(obs: np.ndarray, beta: np.ndarray) -> np.ndarray:
@@ -209,7 +197,6 @@ def train(args: Args, data: dict, dataset_path: Path, run_dir: Path, writer, obs
     # beta(.|s') is fixed by the dataset, so the bootstrapped set of every s' is computed once.
     free_penalty, bootstrapped_beta, free_mass = spibb_constants(torch.as_tensor(data["next_behavior_probs"]),
                                                                  args.spibb_threshold)
-    weights = {k: data[f"behavior_{k}"] for k in common.BEHAVIOR_KEYS}
     # Time-limit truncations (timeouts) are not terminal: we bootstrap through them.
     not_done = torch.as_tensor(1.0 - data["terminals"].astype(np.float32))
 
@@ -219,7 +206,7 @@ def train(args: Args, data: dict, dataset_path: Path, run_dir: Path, writer, obs
     # fused: the same Adam update in one kernel instead of a Python loop over the parameter tensors
     optimizer = torch.optim.Adam(q_network.parameters(), lr=args.learning_rate, fused=True)
     eval_envs = [make_env(args.env_id) for _ in range(args.eval_episodes)]
-    act = make_policy(q_network, weights, args.epsilon, args.spibb_threshold, args.eval_greedy, args.eval_seed)
+    act = make_policy(q_network, common.behavior_policy(data), args.spibb_threshold, args.eval_greedy, args.eval_seed)
 
     log = Evaluations(args, writer)
     for step in range(1, args.total_steps + 1):
@@ -249,7 +236,8 @@ def train(args: Args, data: dict, dataset_path: Path, run_dir: Path, writer, obs
             log.record(step, evaluate(act, eval_envs, args.eval_seed))
 
     log.finish("spibb", data, dataset_path, run_dir, dataset_statistics(q_network, obs, actions, torch.as_tensor(data["behavior_probs"]), args.spibb_threshold), {
-        "obs_dim": obs_dim, "n_actions": n_actions, "q_network": q_network.state_dict(), "epsilon": float(data["epsilon"]), "behavior": {k: torch.from_numpy(v) for k, v in weights.items()}, "n_updates": args.total_steps})
+        "obs_dim": obs_dim, "n_actions": n_actions, "q_network": q_network.state_dict(), "n_updates": args.total_steps,
+        **common.behavior_spec(data)})
 
 
 if __name__ == "__main__":

@@ -64,7 +64,7 @@ def main(args: Args) -> None:
     q_network = brpo.QNetwork(ckpt["obs_dim"], ckpt["n_actions"])
     q_network.load_state_dict(ckpt["q_network"])
     confidence = brpo.load_confidence(ckpt, saved)
-    behavior = brpo.BehaviorPolicy({k: v.numpy() for k, v in ckpt["behavior"].items()}, ckpt["epsilon"])
+    behavior = common.behavior_from_checkpoint(ckpt, args.checkpoint)
     n_updates, unit = ckpt["n_updates"], ckpt["advantage_unit"]
     deployed = replace(saved, pessimism=ckpt.get("deploy_pessimism", saved.pessimism))  # the level brpo.py deployed
     envs = [brpo.make_env(ckpt["env_id"]) for _ in range(args.episodes)]

@@ -222,7 +222,8 @@ def test_spibb_beta_from_behaviour_network_matches_dataset(spibb, data):
         with np.load(path) as f:
             weights = {k: f[f"behavior_{k}"] for k in spibb.common.BEHAVIOR_KEYS}
             for obs_key, probs_key in (("observations", "behavior_probs"), ("next_observations", "next_behavior_probs")):
-                assert np.allclose(spibb.behavior_probs(weights, eps, f[obs_key]), f[probs_key], atol=1e-6)
+                beta = spibb.common.BehaviorPolicy(weights, eps)(torch.from_numpy(f[obs_key])).numpy()
+                assert np.allclose(beta, f[probs_key], atol=1e-6)
 
 
 def test_spibb_evaluation_policy(spibb, data, tmp_path):
@@ -232,16 +233,17 @@ def test_spibb_evaluation_policy(spibb, data, tmp_path):
         weights = {k: f[f"behavior_{k}"] for k in spibb.common.BEHAVIOR_KEYS}
         obs = f["observations"][:500]
     q_network = spibb.QNetwork(4, 2)
-    beta = torch.from_numpy(spibb.behavior_probs(weights, 0.05, obs)).float()
+    behavior = spibb.common.BehaviorPolicy(weights, 0.05)
+    beta = behavior(torch.from_numpy(obs)).float()
     pi = spibb.spibb_policy(q_network(torch.from_numpy(obs)).detach(), beta, 0.2)
     assert torch.allclose(pi, beta)
-    sampled = spibb.make_policy(q_network, weights, 0.05, 0.2, False, 7)
+    sampled = spibb.make_policy(q_network, behavior, 0.2, False, 7)
     sampled.reset()
     a1 = sampled(obs)
     sampled.reset()
     assert np.array_equal(a1, sampled(obs))
     assert (pi.numpy()[np.arange(len(obs)), a1] > 0).all() and (a1 != beta.argmax(1).numpy()).any()
-    greedy = spibb.make_policy(q_network, weights, 0.05, 0.2, True, 7)
+    greedy = spibb.make_policy(q_network, behavior, 0.2, True, 7)
     assert np.array_equal(greedy(obs), pi.argmax(1).numpy())
 
 

@@ -691,7 +691,7 @@ def test_residual_policy_is_distribution_anywhere(brpo, epsilon):
     obs_dim, n_actions = 6, 3
     weights = {f"w{i}": rng.normal(size=s).astype(np.float32) for i, s in enumerate([(32, obs_dim), (16, 32), (n_actions, 16)])}
     weights.update({f"b{i}": rng.normal(size=s[0]).astype(np.float32) for i, s in enumerate([(32,), (16,), (n_actions,)])})
-    behavior = brpo.BehaviorPolicy(weights, epsilon)
+    behavior = common.BehaviorPolicy(weights, epsilon)
     q_network, confidence = brpo.QNetwork(obs_dim, n_actions), brpo.ConfidenceNetwork(obs_dim, n_actions)
     with torch.no_grad():  # a critic with huge values and a confident lambda net
         q_network.net[4].weight.mul_(1e4)

@@ -13,7 +13,7 @@ from conftest import REPO, make_dataset, run
 KEYS = {
     "observations", "actions", "rewards", "next_observations", "terminals", "timeouts", "behavior_probs",
     "next_behavior_probs", "behavior_w0", "behavior_b0", "behavior_w1", "behavior_b1", "behavior_w2", "behavior_b2",
-    "epsilon", "env_id", "behavior_return", "behavior_return_std", "format_version", "settings_json",
+    "epsilon", "env_id", "behavior_return", "behavior_return_std", "format_version", "settings_json", "behavior_kind", "behavior_temperature", "behavior_floor",
 }
 
 
@@ -42,7 +42,8 @@ def test_schema(datasets):
     assert d["behavior_probs"].shape == d["next_behavior_probs"].shape == (n, 2)
     assert d["terminals"].dtype == bool and d["timeouts"].dtype == bool
     assert not (d["terminals"] & d["timeouts"]).any()
-    assert str(d["env_id"]) == "CartPole-v1" and float(d["epsilon"]) == 0.15 and int(d["format_version"]) == 1
+    assert str(d["env_id"]) == "CartPole-v1" and float(d["epsilon"]) == 0.15 and int(d["format_version"]) == 2
+    assert str(d["behavior_kind"]) == "epsilon_greedy"
     settings = json.loads(str(d["settings_json"]))
     assert settings["num_transitions"] == n and settings["seed"] == 0
     assert np.isfinite(d["behavior_return"])
