@@ -28,7 +28,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import common
-from common import Evaluations, check_finite, evaluate, load_checkpoint, load_weights, make_env
+from common import Evaluations, check_finite, load_checkpoint, load_weights
 
 
 @dataclass
@@ -81,13 +81,16 @@ def load_policy(path: str, greedy: bool = False, eval_seed: int = 10_000):
     load_weights(path, policy_network, ckpt["policy_network"])
     act = make_policy(policy_network, greedy, eval_seed)
     act.n_updates = ckpt["n_updates"]  # the sampling noise of the run's own evaluation at that point
+    return ckpt, act, probs_function(policy_network, greedy), None
 
+
+def probs_function(policy_network: PolicyNetwork, greedy: bool):
+    """probs(obs, beta) -> pi(.|s): what evaluate() samples (or its argmax), for the improvement certificate."""
     def probs(obs: np.ndarray, beta: np.ndarray) -> np.ndarray:
         with torch.no_grad():
             logits = policy_network(torch.from_numpy(obs)).double()
-        return common.one_hot(logits.argmax(1).numpy(), ckpt["n_actions"]) if greedy else torch.softmax(logits, 1).numpy()
-
-    return ckpt, act, probs, None
+        return common.one_hot(logits.argmax(1).numpy(), logits.shape[1]) if greedy else torch.softmax(logits, 1).numpy()
+    return probs
 
 
 def run_checkpoint(args: Args) -> None:
@@ -108,9 +111,9 @@ def train(args: Args, data: dict, dataset_path: Path, run_dir: Path, writer, obs
     policy_network = PolicyNetwork(obs_dim, n_actions)
     # fused: the same Adam update in one kernel instead of a Python loop over the parameter tensors
     optimizer = torch.optim.Adam(policy_network.parameters(), lr=args.learning_rate, fused=True)
-    eval_envs = [make_env(args.env_id) for _ in range(args.eval_episodes)]
+    eval_envs = common.make_eval_envs(args)
     act = make_policy(policy_network, args.eval_greedy, args.eval_seed)
-    log = Evaluations(args, writer)
+    log = Evaluations(args, writer, data)
     for step in range(1, args.total_steps + 1):
         idx = torch.randint(len(actions), (args.batch_size,), generator=generator)
         logits = policy_network(obs[idx])
@@ -126,7 +129,7 @@ def train(args: Args, data: dict, dataset_path: Path, run_dir: Path, writer, obs
             log.pause()
             check_finite(step, policy_network)
             act.n_updates = step
-            log.record(step, evaluate(act, eval_envs, args.eval_seed))
+            log.evaluate(step, act, eval_envs, probs_function(policy_network, args.eval_greedy))
 
     log.finish("bc", data, dataset_path, run_dir, {}, {
         "obs_dim": obs_dim, "n_actions": n_actions, "policy_network": policy_network.state_dict(),

@@ -47,7 +47,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import common
-from common import Evaluations, evaluate, fail, load_checkpoint, load_weights, check_finite, make_env
+from common import Evaluations, check_finite, fail, load_checkpoint, load_weights
 
 
 @dataclass
@@ -195,10 +195,10 @@ def train(args: Args, data: dict, dataset_path: Path, run_dir: Path, writer, obs
     # one optimizer on the summed loss, as in the authors' code; fused: the same Adam update in one kernel
     optimizer = torch.optim.Adam(network.parameters(), lr=args.learning_rate, fused=True)
     log_tau = log_threshold(args.bcq_threshold)
-    eval_envs = [make_env(args.env_id) for _ in range(args.eval_episodes)]
+    eval_envs = common.make_eval_envs(args)
     act = greedy_policy(network, log_tau)
 
-    log = Evaluations(args, writer)
+    log = Evaluations(args, writer, data)
     for step in range(1, args.total_steps + 1):
         idx = torch.randint(len(actions), (args.batch_size,), generator=generator)
         batch_actions = actions[idx]
@@ -230,7 +230,8 @@ def train(args: Args, data: dict, dataset_path: Path, run_dir: Path, writer, obs
         if log.due(step):
             log.pause()
             check_finite(step, network)
-            log.record(step, evaluate(act, eval_envs, args.eval_seed))
+            log.evaluate(step, act, eval_envs, lambda obs, beta: common.one_hot(act(obs), n_actions),
+                         common.q_function(network))
 
     log.finish("bcq_discrete", data, dataset_path, run_dir, dataset_statistics(network, obs, actions, log_tau), {
         "obs_dim": obs_dim, "n_actions": n_actions, "network": network.state_dict()})

@@ -38,7 +38,7 @@ import torch
 import torch.nn as nn
 
 import common
-from common import Evaluations, check_finite, evaluate, fail, load_checkpoint, make_env
+from common import Evaluations, check_finite, evaluate, fail, load_checkpoint
 
 
 @dataclass
@@ -610,9 +610,9 @@ def train(args: Args, data: dict, dataset_path: Path, run_dir: Path, writer, obs
     optimizer = torch.optim.Adam([{"params": q_network.parameters(), "lr": args.learning_rate},
                                   {"params": confidence.parameters(), "lr": args.confidence_learning_rate}], fused=True)
     k_penalty = penalty_weight(args.batch_size, args.gamma, args.mu, args.penalty_one_minus_mu) * args.penalty_scale
-    eval_envs = [make_env(args.env_id) for _ in range(args.eval_episodes)]
+    eval_envs = common.make_eval_envs(args)
     act, actor_state = make_actor(behavior, q_network, confidence, args, args.eval_greedy)
-    log = Evaluations(args, writer)
+    log = Evaluations(args, writer, data)
 
     for step in range(1, args.total_steps + 1):
         # --- update: critic target and W (Algorithm 1, line 6) ---
@@ -674,7 +674,8 @@ def train(args: Args, data: dict, dataset_path: Path, run_dir: Path, writer, obs
             actor_state["args"] = replace(args, pessimism=args.deploy_pessimism[level])
             actor_state["deploy_pi"] = not args.safety_test or certificate.get("certified", 0.0) == 1.0
             actor_state["generator"].manual_seed(args.eval_seed + step)
-            log.record(step, evaluate(act, eval_envs, args.eval_seed), deployed="pi" if actor_state["deploy_pi"] else "beta",
+            returns = evaluate(act, eval_envs, args.eval_seed) if eval_envs else None  # None: the certificate scores
+            log.record(step, returns, deployed="pi" if actor_state["deploy_pi"] else "beta",
                        pessimism=args.deploy_pessimism[level], **certificate)
             if writer:
                 writer.add_scalar("charts/deployed_pi", float(actor_state["deploy_pi"]), step)

@@ -32,7 +32,7 @@ import torch
 import torch.nn as nn
 
 import common
-from common import Evaluations, check_finite, evaluate, fail, load_checkpoint, make_env
+from common import Evaluations, check_finite, evaluate, fail, load_checkpoint
 
 
 @dataclass
@@ -266,9 +266,9 @@ def train(args: Args, data: dict, dataset_path: Path, run_dir: Path, writer, obs
     target_network.load_state_dict(q_network.state_dict())
     optimizer = torch.optim.Adam(q_network.parameters(), lr=args.learning_rate, fused=True)
     confidence = load_confidence({"n_actions": n_actions}, args)
-    eval_envs = [make_env(args.env_id) for _ in range(args.eval_episodes)]
+    eval_envs = common.make_eval_envs(args)
     act, actor_state = make_actor(behavior, q_network, confidence, args, args.eval_greedy)
-    log = Evaluations(args, writer)
+    log = Evaluations(args, writer, data)
 
     for step in range(1, args.total_steps + 1):
         # --- update: critic (Algorithm 1, line 6) ---
@@ -317,7 +317,8 @@ def train(args: Args, data: dict, dataset_path: Path, run_dir: Path, writer, obs
             actor_state["args"] = replace(args, pessimism=args.deploy_pessimism[level])
             actor_state["deploy_pi"] = not args.safety_test or certificate.get("certified", 0.0) == 1.0
             actor_state["generator"].manual_seed(args.eval_seed + step)
-            log.record(step, evaluate(act, eval_envs, args.eval_seed), deployed="pi" if actor_state["deploy_pi"] else "beta",
+            returns = evaluate(act, eval_envs, args.eval_seed) if eval_envs else None  # None: the certificate scores
+            log.record(step, returns, deployed="pi" if actor_state["deploy_pi"] else "beta",
                        pessimism=args.deploy_pessimism[level], **certificate)
             if writer:
                 writer.add_scalar("charts/deployed_pi", float(actor_state["deploy_pi"]), step)

@@ -546,14 +546,42 @@ def check_finite(step: int, *networks: nn.Module) -> None:
         fail(f"training diverged: the weights are NaN or inf after {step} updates; try a lower --learning-rate")
 
 
+def has_simulator(env_id: str) -> bool:
+    return env_id in gym.envs.registry
+
+
+def make_eval_envs(args) -> list:
+    """One simulator per evaluation episode; none for an imported dataset of a task not installed here."""
+    return [make_env(args.env_id) for _ in range(args.eval_episodes)] if has_simulator(args.env_id) else []
+
+
 class Evaluations:
     """The evaluation schedule of a run: the clock split between training and evaluation, one record per
-    evaluation (stdout, TensorBoard), and the run's outputs at the end (result.json last)."""
+    evaluation (stdout, TensorBoard), and the run's outputs at the end (result.json last). Without a simulator
+    (an imported dataset of a task not installed here) an evaluation is the batch's improvement certificate of the
+    policy over beta, and the run's score is that certificate (result.json: "score")."""
 
-    def __init__(self, args, writer):
-        self.args, self.writer, self.records = args, writer, []
+    def __init__(self, args, writer, data: dict):
+        self.args, self.writer, self.records, self.data = args, writer, [], data
+        self.simulator = has_simulator(args.env_id)
         self.train_time, self.eval_time, self.start = 0.0, 0.0, time.time()
         self.block_start = time.perf_counter()
+        if not self.simulator:
+            beta = data["behavior_probs"].astype(np.float64)
+            self.cert, reason = certificate_data(data, beta / beta.sum(1, keepdims=True),
+                                                 getattr(args, "certificate_gamma", 0.99), behavior_policy(data))
+            require(not reason, f"{args.env_id} has no simulator here and the batch cannot certify, so the run has no "
+                    f"score: {reason}")
+            self.cert_obs = data["observations"][self.cert["rows"]]
+
+    def evaluate(self, step: int, act, envs: list, probs, q=None) -> None:
+        """In the simulator (envs), or by the certificate of probs(obs, beta) -> pi(.|s) with the critic q(obs)."""
+        if envs:
+            return self.record(step, evaluate(act, envs, self.args.eval_seed))
+        pi, cert = probs(self.cert_obs, self.cert["beta"]), self.cert
+        z = statistics.NormalDist().inv_cdf(getattr(self.args, "certificate_confidence", 0.95))
+        c = improvement_certificate(pi, q(self.cert_obs) if q else cert["q_b"], cert, z)
+        self.record(step, None, **c, tv_to_beta=tv_to_beta(pi, cert["beta"]))
 
     def due(self, step: int) -> bool:
         return step % self.args.eval_frequency == 0 or step == self.args.total_steps
@@ -563,24 +591,35 @@ class Evaluations:
         self.now = time.perf_counter()
         self.train_time += self.now - self.block_start
 
-    def record(self, step: int, returns: np.ndarray, **extra) -> None:
+    def record(self, step: int, returns: Optional[np.ndarray], **extra) -> None:
+        """returns: of the evaluation episodes; None without a simulator (extra then holds the certificate)."""
         self.block_start = time.perf_counter()
         self.eval_time += self.block_start - self.now
-        self.records.append({"step": step, "return_mean": float(returns.mean()), "return_std": float(returns.std()),
-                             **extra})
         sps = step / self.train_time
-        print(f"step={step} eval_return={returns.mean():.1f} +- {returns.std():.1f} SPS={sps:.0f}", flush=True)
+        if returns is None:
+            self.records.append({"step": step, **extra})
+            print(f"step={step} improvement_certificate={extra['certificate']:.3g} +- {extra['certificate_se']:.3g} "
+                  f"(no simulator) SPS={sps:.0f}", flush=True)
+        else:
+            self.records.append({"step": step, "return_mean": float(returns.mean()),
+                                 "return_std": float(returns.std()), **extra})
+            print(f"step={step} eval_return={returns.mean():.1f} +- {returns.std():.1f} SPS={sps:.0f}", flush=True)
         if self.writer:
-            self.writer.add_scalar("eval/episodic_return", returns.mean(), step)
+            if returns is None:
+                self.writer.add_scalar("eval/certificate", extra["certificate"], step)
+            else:
+                self.writer.add_scalar("eval/episodic_return", returns.mean(), step)
             self.writer.add_scalar("charts/SPS", sps, step)
 
     def finish(self, algorithm: str, data: dict, dataset_path: Path, run_dir: Path, extra: dict, model: dict) -> dict:
         """Write model.pt (with --save-model) and result.json (last: a directory with it holds a finished run)."""
         args = self.args
-        final_score = float(np.mean([e["return_mean"] for e in self.records[-10:]]))
+        score = "return_mean" if self.simulator else "certificate"
+        final_score = float(np.mean([e[score] for e in self.records[-10:]]))
         result = {
             "algorithm": algorithm, "env_id": args.env_id, "epsilon": args.epsilon, "seed": args.seed,
             "args": asdict(args), "evaluations": self.records, "final_score": final_score,
+            "score": "return" if self.simulator else "improvement_certificate",
             "behavior_return": float(data["behavior_return"]), "wall_time": time.time() - self.start,
             "train_time": self.train_time, "eval_time": self.eval_time,
             "updates_per_second": args.total_steps / self.train_time, "dataset_path": str(dataset_path),
@@ -594,7 +633,11 @@ class Evaluations:
             save_model_atomic(run_dir / "model.pt", {"algorithm": algorithm, "env_id": args.env_id,
                                                      "args": asdict(args), **model})
         write_json_atomic(run_dir / "result.json", result)
-        print(f"final score {final_score:.1f} (behaviour {result['behavior_return']:.1f}); results in {run_dir}")
+        if self.simulator:
+            print(f"final score {final_score:.1f} (behaviour {result['behavior_return']:.1f}); results in {run_dir}")
+        else:
+            print(f"final score: improvement certificate {final_score:.4g} over beta (no simulator: the batch's "
+                  f"first-order estimate of the gain, mean of the last 10 evaluations); results in {run_dir}")
         return result
 
 
@@ -604,11 +647,30 @@ def main(args, check, train, run_checkpoint, behavior_network: bool = False) -> 
     torch.set_num_threads(args.threads)
     if args.eval_checkpoint:
         return run_checkpoint(args)
-    env = make_env(args.env_id)
-    obs_dim, n_actions = env.observation_space.shape[0], int(env.action_space.n)
+    if has_simulator(args.env_id) or not args.dataset_path:
+        env = make_env(args.env_id)
+        obs_dim, n_actions = env.observation_space.shape[0], int(env.action_space.n)
+    else:  # an imported dataset of a task not installed here: its sizes, and the certificate as the score
+        obs_dim, n_actions = dataset_sizes(args.dataset_path)
+        print(f"{args.env_id} is not an installed gymnasium task: no simulator; every evaluation is the batch's "
+              "improvement certificate of the policy over beta", flush=True)
+        behavior_network = True  # the certificate needs the behaviour model
     dataset_path, data = load_dataset(args, obs_dim, n_actions, behavior_network)
     with run_directory(args) as (run_dir, writer):  # everything is validated: only now create outputs
         train(args, data, dataset_path, run_dir, writer, obs_dim, n_actions)
+
+
+def dataset_sizes(path: str) -> tuple[int, int]:
+    """Observation size and action count of a dataset, read before it is validated (load_dataset checks them)."""
+    try:
+        with np.load(path, allow_pickle=False) as f:
+            obs, probs = f["observations"], f["behavior_probs"]
+            require(obs.ndim == 2 and probs.ndim == 2, f"dataset {path}: observations or behavior_probs are not 2-D")
+            return int(obs.shape[1]), int(probs.shape[1])
+    except SystemExit:
+        raise
+    except Exception as e:
+        fail(f"dataset {path} is unreadable or incomplete ({type(e).__name__}: {' '.join(str(e).split())})")
 
 
 def cli(args_type, main) -> None:

@@ -53,7 +53,10 @@ class Args:
     minari_id: Optional[str] = None
     """a Minari dataset id in the local Minari data directory (instead of --logs)"""
     env_id: Optional[str] = None
-    """the gymnasium task the logs come from (required with --logs; default with --minari-id: the dataset's)"""
+    """the task the logs come from (required with --logs; default with --minari-id: the dataset's); if it is not an
+    installed gymnasium task, the scripts train without a simulator and the improvement certificate is the score"""
+    n_actions: Optional[int] = None
+    """action count of a task that is not installed here (default: the prob_* columns, else the largest action + 1)"""
     dataset_path: Optional[str] = None
     """output .npz; default datasets/<logs file name or Minari id>.npz"""
     overwrite: bool = False
@@ -63,7 +66,7 @@ class Args:
     holdout: float = 0.2
     """share of the episodes held out from the behaviour model's training (calibration and the fit report)"""
     behavior_floor: float = 1e-3
-    """smallest probability the behaviour model gives any action"""
+    """smallest probability the behaviour model may give an action (the floor itself is fitted, at least this)"""
     fit_steps: int = 20_000
     """most Adam updates of the behaviour model (lr 3e-3, batch 1024; stopped when the held-out fit stalls)"""
 
@@ -281,28 +284,33 @@ def fit_behavior(d: dict, n_actions: int, args: Args) -> tuple[BehaviorNetwork, 
     net.load_state_dict(best_state)
     with torch.no_grad():
         logits = net(obs).double()
-    # temperature: golden-section search of the calibration episodes' likelihood over log T in [log 0.05, log 20]
-    lo, hi = math.log(0.05), math.log(20.0)
-    g = (math.sqrt(5) - 1) / 2
-    f = lambda t: float(nll(logits[cal], actions[cal], math.exp(t), args.behavior_floor).mean())  # noqa: E731
-    for _ in range(60):
-        x1, x2 = hi - g * (hi - lo), lo + g * (hi - lo)
-        lo, hi = (lo, x2) if f(x1) <= f(x2) else (x1, hi)
-    temperature = math.exp((lo + hi) / 2)
+    # calibration on the calibration episodes (maximum likelihood): a temperature T and a floor, i.e. the weight of
+    # a uniform mixture, so that actions the network calls impossible keep the probability the held-out logs show
+    # them to have (for epsilon-greedy logs the floor recovers eps / |A|); --behavior-floor is the smallest floor
+    best = (math.inf, 1.0, args.behavior_floor)
+    for floor in np.geomspace(args.behavior_floor, 0.5 / n_actions, 24) if args.behavior_floor > 0 else [0.0]:
+        lo, hi, g = math.log(0.05), math.log(20.0), (math.sqrt(5) - 1) / 2  # golden section over log T
+        f = lambda t: float(nll(logits[cal], actions[cal], math.exp(t), float(floor)).mean())  # noqa: E731
+        for _ in range(40):
+            x1, x2 = hi - g * (hi - lo), lo + g * (hi - lo)
+            lo, hi = (lo, x2) if f(x1) <= f(x2) else (x1, hi)
+        best = min(best, (f((lo + hi) / 2), math.exp((lo + hi) / 2), float(floor)))
+    _, temperature, floor = best
     rep = torch.from_numpy(part["report"])
-    per = nll(logits[rep], actions[rep], temperature, args.behavior_floor).numpy()
+    per = nll(logits[rep], actions[rep], temperature, floor).numpy()
     uniform = math.log(n_actions)
-    probs = floored(logits[rep], temperature, args.behavior_floor).numpy()
+    probs = floored(logits[rep], temperature, floor).numpy()
     ece = expected_calibration_error(probs, d["actions"][part["report"]])
     diff_se = float(per.std(ddof=1) / math.sqrt(len(per))) if len(per) > 1 else 0.0
     fit = {"episodes": {"train": int(n_episodes - n_held), "calibrate": len(calibrate), "report": len(report)},
            "heldout_log_likelihood": float(-per.mean()), "uniform_log_likelihood": -uniform,
-           "heldout_log_likelihood_se": diff_se, "expected_calibration_error": ece, "temperature": temperature}
+           "heldout_log_likelihood_se": diff_se, "expected_calibration_error": ece, "temperature": temperature,
+           "floor": floor}
     require(per.mean() - uniform <= 2 * diff_se,
             f"the behaviour model fits the held-out episodes worse than the uniform policy (log-likelihood per "
             f"transition {-per.mean():.4f} against {-uniform:.4f}); log the behaviour probabilities (prob_* columns "
             "or propensity) or provide more episodes")
-    return net, temperature, fit
+    return net, (temperature, floor), fit
 
 
 def expected_calibration_error(probs: np.ndarray, actions: np.ndarray, bins: int = 10) -> float:
@@ -350,8 +358,20 @@ def main(args: Args) -> None:
         require(env_id, f"Minari dataset {args.minari_id} names no environment; pass --env-id")
         name = args.minari_id.replace("/", "_")
     require(0.0 <= args.behavior_floor < 0.5, f"--behavior-floor must lie in [0, 0.5), got {args.behavior_floor}")
-    env = common.make_env(env_id)
-    obs_dim, n_actions = env.observation_space.shape[0], int(env.action_space.n)
+    if common.has_simulator(env_id):
+        env = common.make_env(env_id)
+        obs_dim, n_actions = env.observation_space.shape[0], int(env.action_space.n)
+        require(args.n_actions in (None, n_actions), f"--n-actions {args.n_actions}: {env_id} has {n_actions} actions")
+    else:  # sizes from the logs; the scripts will score by the certificate (docs/import.md)
+        obs, a = np.asarray(logs.get("observations", np.zeros((0, 0)))), np.asarray(logs.get("actions", np.zeros(0)))
+        require(obs.ndim == 2 and a.ndim == 1 and len(a) > 0, f"logs {source} lack observations (N, size) or actions")
+        require(np.isfinite(a).all(), f"logs {source}: actions contain NaN or inf")
+        obs_dim = obs.shape[1]
+        n_actions = args.n_actions or (np.asarray(logs["behavior_probs"]).shape[-1] if "behavior_probs" in logs
+                                       else int(a.max()) + 1)
+        require(n_actions >= 2, f"logs {source} show {n_actions} action(s); pass --n-actions (at least 2)")
+        print(f"{env_id} is not an installed gymnasium task: the scripts will train on this dataset without a simulator, "
+              "scored by the improvement certificate", flush=True)
     require(args.behavior_floor * n_actions < 1.0, f"--behavior-floor {args.behavior_floor} leaves no mass for "
             f"{n_actions} actions")
     path = Path(args.dataset_path) if args.dataset_path else common.REPO / "datasets" / f"{name}.npz"
@@ -359,8 +379,8 @@ def main(args: Args) -> None:
             "--dataset-path")
     d = validate(logs, source, n_actions, obs_dim)
     torch.set_num_threads(1)
-    net, temperature, fit = fit_behavior(d, n_actions, args)
-    d.update(behavior_arrays(d, net, temperature, args.behavior_floor, n_actions))
+    net, (temperature, floor), fit = fit_behavior(d, n_actions, args)
+    d.update(behavior_arrays(d, net, temperature, floor, n_actions))
     episode = np.concatenate([[0], np.cumsum((d["terminals"] | d["timeouts"])[:-1])])
     returns = np.bincount(episode, weights=d["rewards"].astype(np.float64))
     logged = "logged probabilities" if "behavior_probs" in logs else "logged propensities" if "propensities" in d \
@@ -373,7 +393,7 @@ def main(args: Args) -> None:
              behavior_return=np.float64(returns.mean()), behavior_return_std=np.float64(returns.std()),
              format_version=np.int64(common.FORMAT_VERSION), settings_json=np.array(json.dumps(settings)),
              behavior_kind=np.array("softmax"), behavior_temperature=np.float64(temperature),
-             behavior_floor=np.float64(args.behavior_floor))
+             behavior_floor=np.float64(floor))
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         common.write_atomic(path, buffer.getvalue())
@@ -381,7 +401,7 @@ def main(args: Args) -> None:
         fail(f"cannot write {path} ({e.strerror or e}); pass a writable --dataset-path")
     print(f"behaviour model: held-out log-likelihood {fit['heldout_log_likelihood']:.4f} +- "
           f"{fit['heldout_log_likelihood_se']:.4f} per transition (uniform policy {-math.log(n_actions):.4f}), "
-          f"calibration error {fit['expected_calibration_error']:.3f}, temperature {temperature:.3g} "
+          f"calibration error {fit['expected_calibration_error']:.3f}, temperature {temperature:.3g}, floor {floor:.3g} "
           f"({fit['episodes']['report']} report episodes)")
     print(f"wrote {path}: {len(d['actions'])} transitions, {len(returns)} episodes of {env_id}, behaviour "
           f"probabilities {logged}, logged return {returns.mean():.1f} +- {returns.std():.1f}")

@@ -48,7 +48,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import common
-from common import Evaluations, evaluate, fail, load_checkpoint, load_weights, check_finite, make_env
+from common import Evaluations, check_finite, fail, load_checkpoint, load_weights
 
 
 @dataclass
@@ -159,10 +159,10 @@ def train(args: Args, data: dict, dataset_path: Path, run_dir: Path, writer, obs
     target_network.load_state_dict(q_network.state_dict())
     # fused: the same Adam update in one kernel instead of a Python loop over the parameter tensors
     optimizer = torch.optim.Adam(q_network.parameters(), lr=args.learning_rate, fused=True)
-    eval_envs = [make_env(args.env_id) for _ in range(args.eval_episodes)]
+    eval_envs = common.make_eval_envs(args)
     act = greedy_policy(q_network)
 
-    log = Evaluations(args, writer)
+    log = Evaluations(args, writer, data)
     for step in range(1, args.total_steps + 1):
         idx = torch.randint(len(actions), (args.batch_size,), generator=generator)
         batch_actions = actions[idx]
@@ -192,7 +192,8 @@ def train(args: Args, data: dict, dataset_path: Path, run_dir: Path, writer, obs
         if log.due(step):
             log.pause()
             check_finite(step, q_network)
-            log.record(step, evaluate(act, eval_envs, args.eval_seed))
+            log.evaluate(step, act, eval_envs, lambda obs, beta: common.one_hot(act(obs), n_actions),
+                         common.q_function(q_network))
 
     log.finish("klq", data, dataset_path, run_dir, dataset_statistics(q_network, obs, actions, behavior_probs), {
         "obs_dim": obs_dim, "n_actions": n_actions, "q_network": q_network.state_dict()})

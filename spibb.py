@@ -57,7 +57,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import common
-from common import Evaluations, evaluate, fail, load_checkpoint, load_weights, check_finite, make_env
+from common import Evaluations, check_finite, fail, load_checkpoint, load_weights
 
 
 @dataclass
@@ -158,13 +158,16 @@ def load_policy(path: str, greedy: bool = False, eval_seed: int = 10_000):
     load_weights(path, q_network, ckpt["q_network"])
     act = make_policy(q_network, behavior, threshold, greedy, eval_seed)
     act.n_updates = ckpt["n_updates"]  # the sampling noise of the run's own evaluation at that point
+    return ckpt, act, probs_function(q_network, threshold, greedy), common.q_function(q_network)
 
+
+def probs_function(q_network: QNetwork, threshold: float, greedy: bool):
+    """probs(obs, beta) -> pi_spibb(.|s) (or its argmax), for the improvement certificate."""
     def probs(obs: np.ndarray, beta: np.ndarray) -> np.ndarray:
         with torch.no_grad():
             pi = spibb_policy(q_network(torch.from_numpy(obs)).double(), torch.from_numpy(beta), threshold).numpy()
-        return common.one_hot(pi.argmax(1), ckpt["n_actions"]) if greedy else pi
-
-    return ckpt, act, probs, common.q_function(q_network)
+        return common.one_hot(pi.argmax(1), pi.shape[1]) if greedy else pi
+    return probs
 
 
 def run_checkpoint(args: Args) -> None:
@@ -205,10 +208,10 @@ def train(args: Args, data: dict, dataset_path: Path, run_dir: Path, writer, obs
     target_network.load_state_dict(q_network.state_dict())
     # fused: the same Adam update in one kernel instead of a Python loop over the parameter tensors
     optimizer = torch.optim.Adam(q_network.parameters(), lr=args.learning_rate, fused=True)
-    eval_envs = [make_env(args.env_id) for _ in range(args.eval_episodes)]
+    eval_envs = common.make_eval_envs(args)
     act = make_policy(q_network, common.behavior_policy(data), args.spibb_threshold, args.eval_greedy, args.eval_seed)
 
-    log = Evaluations(args, writer)
+    log = Evaluations(args, writer, data)
     for step in range(1, args.total_steps + 1):
         idx = torch.randint(len(actions), (args.batch_size,), generator=generator)
         with torch.no_grad():
@@ -233,7 +236,8 @@ def train(args: Args, data: dict, dataset_path: Path, run_dir: Path, writer, obs
             log.pause()
             check_finite(step, q_network)
             act.n_updates = step
-            log.record(step, evaluate(act, eval_envs, args.eval_seed))
+            log.evaluate(step, act, eval_envs, probs_function(q_network, args.spibb_threshold, args.eval_greedy),
+                         common.q_function(q_network))
 
     log.finish("spibb", data, dataset_path, run_dir, dataset_statistics(q_network, obs, actions, torch.as_tensor(data["behavior_probs"]), args.spibb_threshold), {
         "obs_dim": obs_dim, "n_actions": n_actions, "q_network": q_network.state_dict(), "n_updates": args.total_steps,

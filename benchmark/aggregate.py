@@ -626,7 +626,7 @@ def _main(argv: list[str] | None = None) -> int:
         if not runs:
             raise AggregateError(f"no valid result.json under '{root}'"
                                  + (f" for --algos {' '.join(opts.algos)}" if opts.algos else "")
-                                 + (f" ({len(skipped)} invalid/unfinished)" if skipped else ""))
+                                 + (f" ({len(skipped)} invalid/unfinished, e.g. {skipped[0][1]})" if skipped else ""))
     except AggregateError as e:
         print(f"aggregate.py: error: {e}", file=sys.stderr)
         return 2

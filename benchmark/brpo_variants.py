@@ -67,7 +67,7 @@ def main(args: Args) -> None:
     behavior = common.behavior_from_checkpoint(ckpt, args.checkpoint)
     n_updates, unit = ckpt["n_updates"], ckpt["advantage_unit"]
     deployed = replace(saved, pessimism=ckpt.get("deploy_pessimism", saved.pessimism))  # the level brpo.py deployed
-    envs = [brpo.make_env(ckpt["env_id"]) for _ in range(args.episodes)]
+    envs = [common.make_env(ckpt["env_id"]) for _ in range(args.episodes)]
 
     def residual(obs, beta, lam_tilde=None, w_zero=False, pessimism=saved.pessimism):
         with torch.no_grad():
@@ -133,7 +133,7 @@ def main(args: Args) -> None:
         def act(obs: np.ndarray, variant=variant, generator=generator) -> np.ndarray:
             return torch.multinomial(probs(variant, torch.from_numpy(obs)), 1, generator=generator).squeeze(1).numpy()
 
-        returns = brpo.evaluate(act, envs, args.eval_seed)
+        returns = common.evaluate(act, envs, args.eval_seed)
         print(f"{variant:10s} {returns.mean():8.1f}  (s.e. {returns.std() / np.sqrt(len(returns)):.1f})", flush=True)
 
 

@@ -315,6 +315,8 @@ def check_result(path: Path, cell: Cell | None = None, requested: dict | None = 
     score = data.get("final_score")
     if isinstance(score, bool) or not isinstance(score, (int, float)) or not math.isfinite(score):
         return "missing or non-finite final_score"
+    if data.get("score", "return") != "return":
+        return "scored by the improvement certificate (no simulator), not by returns"
     evals = data.get("evaluations")
     if not isinstance(evals, list) or not evals:
         return "no evaluations"

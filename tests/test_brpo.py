@@ -814,7 +814,7 @@ def test_brpo_c_differs_only_in_confidence():
     brpo_src, c_src = (REPO / "brpo.py").read_text().splitlines(), set((REPO / "brpo_c.py").read_text().splitlines())
     # inside train, the critic update, the target update and the evaluation are verbatim the same lines
     for needle in ("next_v = mixed_value(next_q, batch[:, columns[2]], args.mu)", "td_target = torch.addcmul(r, torch.from_numpy(next_v), boot)",
-                   "batch = table.take(idx, 0)", "tp.lerp_(p, args.tau)", "log.record(step, evaluate(act", "level, certificate = common.choose_level(",
+                   "batch = table.take(idx, 0)", "tp.lerp_(p, args.tau)", "returns = evaluate(act, eval_envs, args.eval_seed) if eval_envs", "level, certificate = common.choose_level(",
                    "unit = advantage_unit(q_np, q_max) if step == 1", "q_grad, td_error = critic_output_grad("):
         line = next(line for line in brpo_src if needle in line)
         assert line in c_src
