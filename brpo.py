@@ -188,7 +188,7 @@ def solver_advantage(w, beta, args, unit, sqrt_beta=None):
 
 
 def penalty_weight(batch_size, gamma, mu, scale_penalty_by_mu=True):
-    """k in f(lambda) = C - k U V, the solver's form of the SAA bound L' - L'' L''' times |B| (1 - gamma)."""
+    """k of f = C - k U V: the SAA bound L1 - L2 L3 times |B| (1 - gamma), only lambda-bar*'s objective (departure 10)."""
     pen = (1.0 - mu) if scale_penalty_by_mu else 1.0
     return gamma * pen / (batch_size * (1.0 - gamma))
 

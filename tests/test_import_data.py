@@ -49,7 +49,7 @@ def load(path):
 
 def test_estimated_beta_is_close_to_the_true_one(own, tmp_path):
     np.savez(tmp_path / "logs.npz", **own["logs"])
-    proc = import_logs(tmp_path / "logs.npz", tmp_path / "d.npz", "--fit-steps", "20000")
+    proc = import_logs(tmp_path / "logs.npz", tmp_path / "d.npz", "--fit-steps", "8000")
     assert proc.returncode == 0, proc.stderr
     d = load(tmp_path / "d.npz")
     assert int(d["format_version"]) == 2 and str(d["behavior_kind"]) == "softmax" and np.isnan(d["epsilon"])
