@@ -50,9 +50,9 @@ class Args(common.DeployArgs):  # DeployArgs: --deploy-pessimism and the certifi
     kappa_decay: float = 1.0
     """temperature decay kappa <- kappa * kappa_decay**n after n updates (paper, end of Sec. 5)"""
     kappa_scale: float = 1.0
-    """constant factor on kappa (ours): with --kappa-max inf, the paper's kappa(s) at a usable scale"""
+    """constant factor on kappa (ours, departure 4): with --kappa-max inf, the paper's kappa(s) at a usable scale"""
     pessimism: float = 1.0
-    """lower W(s,a) by pessimism / sqrt(beta(a|s)) advantage units in rho and in lambda-bar* (departures 6, 7; 0: paper)"""
+    """lower W(s,a) by pessimism / sqrt(beta(a|s)) advantage units in rho (departure 6; 0: the paper)"""
     advantage_unit: bool = True
     """measure W in units of the critic's mean action gap in the relative softmax (departure 5; off: raw W)"""
 
@@ -144,10 +144,10 @@ def sqrt_floored(beta: np.ndarray) -> np.ndarray:
 
 
 def candidate(beta, lam_tilde, w, args, n_updates, unit, log_beta=None, sqrt_beta=None):
-    """rho and its temperature from the current raw confidence (coordinate ascent, Sec. 5). Departure 6: W is
-    lowered by pessimism / sqrt(beta(a|s)) advantage units, a lower confidence bound on the advantage (the critic's
-    error at (s, a) shrinks like 1 / sqrt(n(s, a)) and n(s, a) is proportional to beta(a|s)): rho follows the critic
-    to an action only as far as the batch has seen it there."""
+    """rho and its temperature from the current raw confidence (coordinate ascent, Sec. 5), W in advantage units
+    (departure 5). Departure 6: W lowered by pessimism / sqrt(beta(a|s)) units, a lower confidence bound on the
+    advantage (the critic's error at (s, a) shrinks like 1 / sqrt(n(s, a)), n(s, a) proportional to beta(a|s)): rho
+    follows the critic to an action only as far as the batch has seen it there."""
     log_beta = log_probs(beta) if log_beta is None else log_beta
     w = w / max(unit, UNIT_MIN) if args.advantage_unit else w
     if args.pessimism > 0:
@@ -257,7 +257,7 @@ def train(args: Args, data: dict, dataset_path: Path, run_dir: Path, writer, obs
     columns = (slice(0, obs_dim), slice(obs_dim, 2 * obs_dim), slice(2 * obs_dim, 2 * obs_dim + n_actions),
                2 * obs_dim + n_actions, 2 * obs_dim + n_actions + 1)  # s, s', beta(.|s'), r, gamma (1 - terminal)
     behavior = common.behavior_policy(data)
-    cert, z = common.deployment_certificate(args, data, beta_all, behavior)
+    (cert, z), levels = common.deployment_certificate(args, data, beta_all, behavior), common.deploy_levels(args)
     cert_obs, cert_beta = (obs[cert["rows"]], behavior_probs[cert["rows"]]) if cert else (None, None)
     certificate = {}
 
@@ -281,12 +281,12 @@ def train(args: Args, data: dict, dataset_path: Path, run_dir: Path, writer, obs
         td_target = torch.addcmul(r, torch.from_numpy(next_v), boot)  # r + gamma (1 - terminal) V(s')
         q_all = q_network(s)
         q32 = q_all.detach().numpy()
-        if not np.isfinite(q32).all():  # stop before a diverged critic's values reach the confidence step
+        if not np.isfinite(q32).all():  # stop at once: a diverged critic's values would poison every later step
             fail(f"training diverged: the critic's values are NaN or inf after {step - 1} updates; try a lower --learning-rate")
         q_grad, td_error = critic_output_grad(q32, actions_np[idx], td_target.numpy())
         q_np = q32.astype(np.float64)
         q_max = q_np.max(-1)
-        unit = advantage_unit(q_np, q_max) if step == 1 else (1.0 - UNIT_RATE) * unit + UNIT_RATE * advantage_unit(q_np, q_max)
+        unit = advantage_unit(q_np, q_max) if step == 1 else (1.0 - UNIT_RATE) * unit + UNIT_RATE * advantage_unit(q_np, q_max)  # dep. 5
 
         optimizer.zero_grad()
         q_all.backward(torch.from_numpy(q_grad))
@@ -312,17 +312,17 @@ def train(args: Args, data: dict, dataset_path: Path, run_dir: Path, writer, obs
                 with torch.no_grad():
                     q_batch = q_network(cert_obs).double().numpy()
                 pis = [policy_probs(cert_obs, cert_beta, q_network, confidence, replace(args, pessimism=p), step,
-                                    unit).numpy() for p in args.deploy_pessimism]
+                                    unit).numpy() for p in levels]
                 level, certificate = common.choose_level(pis, q_batch, cert, z)
-            actor_state["args"] = replace(args, pessimism=args.deploy_pessimism[level])
+            actor_state["args"] = replace(args, pessimism=levels[level])
             actor_state["deploy_pi"] = not args.safety_test or certificate.get("certified", 0.0) == 1.0
             actor_state["generator"].manual_seed(args.eval_seed + step)
             returns = evaluate(act, eval_envs, args.eval_seed) if eval_envs else None  # None: the certificate scores
             log.record(step, returns, deployed="pi" if actor_state["deploy_pi"] else "beta",
-                       pessimism=args.deploy_pessimism[level], **certificate)
+                       pessimism=levels[level], **certificate)
             if writer:
                 writer.add_scalar("charts/deployed_pi", float(actor_state["deploy_pi"]), step)
-                writer.add_scalar("charts/deployed_pessimism", args.deploy_pessimism[level], step)
+                writer.add_scalar("charts/deployed_pessimism", levels[level], step)
                 for key in ("certificate", "certificate_lcb"):
                     if key in certificate:
                         writer.add_scalar(f"losses/{key}", certificate[key], step)

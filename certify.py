@@ -8,7 +8,9 @@ It estimates the first-order improvement g of pi over beta along beta + c (pi - 
 doubly robust, cross-fitted over episodes), its standard error over the logged episodes, and the one-sided lower
 bound g - z se: "certified" when that bound is above 0. What this does and does not guarantee: docs/brpo.md,
 "The improvement certificate". The control variate uses the policy's own critic where it has one (the behaviour
-network's Q otherwise); brpo.py and brpo_c.py report the same number at every evaluation of their training.
+network's otherwise). For a brpo.py or brpo_c.py model this is the g and standard error of its last evaluation
+(the deployed policy, with its certificate discount); their lower bound there is simultaneous over the
+--deploy-pessimism levels (Bonferroni), here it is for this one policy.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import torch
 import tyro
 
 import common
-from common import fail
+from common import fail, require
 
 SCRIPTS = ("bc", "dqn_offline", "klq", "bcq_discrete", "spibb", "brpo", "brpo_c")
 
@@ -38,8 +40,8 @@ class Args:
     """the batch to certify on; default: the one the model was trained on"""
     confidence: float = 0.95
     """one-sided confidence level of the lower bound"""
-    certificate_gamma: float = 0.99
-    """discount of the logged returns-to-go (1.0: the undiscounted return, noisier)"""
+    certificate_gamma: Optional[float] = None
+    """discount of the logged returns-to-go (default: the model's own --certificate-gamma, else 0.99)"""
     greedy: bool = False
     """certify the argmax policy instead of the stochastic one (scripts that act greedily are certified greedy anyway)"""
     json: bool = False
@@ -57,7 +59,7 @@ def load_script(name: str):
 def main(args: Args) -> None:
     if not 0.5 <= args.confidence <= 1.0 - 1e-9:
         fail(f"--confidence must lie in [0.5, 1), got {args.confidence}")
-    if not 0.0 <= args.certificate_gamma <= 1.0:
+    if args.certificate_gamma is not None and not 0.0 <= args.certificate_gamma <= 1.0:
         fail(f"--certificate-gamma must lie in [0, 1], got {args.certificate_gamma}")
     torch.set_num_threads(1)
     ckpt = common.load_checkpoint(args.checkpoint, "", {"args": dict})
@@ -74,7 +76,10 @@ def main(args: Args) -> None:
     beta = data["behavior_probs"].astype(np.float64)
     beta /= beta.sum(1, keepdims=True)  # as brpo.py: sum_a (pi - beta) = 0 to rounding
     behavior = common.behavior_policy(data)
-    cert, reason = common.certificate_data(data, beta, args.certificate_gamma, behavior)
+    gamma = args.certificate_gamma if args.certificate_gamma is not None else saved.get("certificate_gamma", 0.99)
+    require(isinstance(gamma, float) and 0.0 <= gamma <= 1.0, f"checkpoint {args.checkpoint}: its certificate_gamma "
+            f"{gamma} is not in [0, 1]; pass --certificate-gamma")
+    cert, reason = common.certificate_data(data, beta, gamma, behavior)
     if reason:
         fail(f"dataset {dataset_path} cannot certify: {reason}")
     obs = data["observations"][cert["rows"]]

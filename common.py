@@ -42,13 +42,14 @@ class RunArgs:
     exp_name: str = "run"
     """name of this experiment (part of the run name; default: the script's name)"""
     env_id: str = "CartPole-v1"
-    """gymnasium environment id (CartPole-v1, Acrobot-v1, LunarLander-v3)"""
+    """gymnasium environment id (CartPole-v1, Acrobot-v1, LunarLander-v3; an imported dataset's task)"""
     epsilon: float = 0.15
     """exploration level of the behaviour policy that collected the dataset"""
     seed: int = 1
     """seed of network initialisation and minibatch sampling"""
     dataset_path: Optional[str] = None
-    """batch dataset (.npz from collect_data.py); default datasets/<env-id>_eps<epsilon>.npz, created if missing"""
+    """batch dataset (.npz from collect_data.py or import_data.py); default datasets/<env-id>_eps<epsilon>.npz, created
+    if missing"""
     total_steps: int = 100_000
     """gradient updates (the paper does not state its number; 100k is our documented default)"""
     learning_rate: float = 1e-3
@@ -56,7 +57,7 @@ class RunArgs:
     batch_size: int = 64
     """minibatch size"""
     eval_frequency: int = 1_000
-    """updates between evaluations in the simulator"""
+    """updates between evaluations (in the simulator; without one, the improvement certificate)"""
     eval_episodes: int = 40
     """episodes per evaluation, run side by side"""
     eval_seed: int = 10_000
@@ -91,8 +92,9 @@ class TDArgs(RunArgs):
 @dataclass
 class DeployArgs(TDArgs):
     """TDArgs and BRPO's deployment flags (brpo.py, brpo_c.py; docs/brpo.md, departure 11)."""
-    deploy_pessimism: tuple[float, ...] = (1.0, 0.0)
-    """pessimism levels of the deployed pi, chosen by the improvement certificate; one value fixes it"""
+    deploy_pessimism: Optional[tuple[float, ...]] = None
+    """pessimism levels of the deployed pi, the first as trained, chosen by the improvement certificate; one value
+    fixes it (default: --pessimism and 0, or 0 alone at --pessimism 0)"""
     certificate_confidence: float = 0.95
     """simultaneous one-sided confidence of the certificate's lower bounds, one per --deploy-pessimism level"""
     certificate_gamma: float = 0.99
@@ -149,8 +151,9 @@ def check_args(args, allow_inf: tuple = ()) -> None:
     if hasattr(args, "tau") and not 0.0 < args.tau <= 1.0:
         fail(f"--tau must lie in (0, 1], got {args.tau}")
     if isinstance(args, DeployArgs):
-        require(args.deploy_pessimism and all(0.0 <= p <= 1e3 for p in args.deploy_pessimism),
-                f"--deploy-pessimism needs one or more levels in [0, 1000], got {list(args.deploy_pessimism)}")
+        require(args.deploy_pessimism is None or (args.deploy_pessimism and all(
+            0.0 <= p <= 1e3 for p in args.deploy_pessimism)),
+            f"--deploy-pessimism needs one or more levels in [0, 1000], got {list(args.deploy_pessimism or [])}")
         # below 1 by more than rounding, or the Bonferroni level 1 - (1 - c) / levels rounds to 1 (z = inf)
         require(0.5 <= args.certificate_confidence <= 1.0 - 1e-9,
                 f"--certificate-confidence must lie in [0.5, 1), got {args.certificate_confidence}")
@@ -225,8 +228,8 @@ def load_dataset(args, obs_dim: int, n_actions: int, behavior_network: bool = Fa
     """Read and validate the batch (docs/formats.md); a missing *default* dataset is created with collect_data.py.
     behavior_network: the script also needs the stored behaviour network (beta at states outside the batch)."""
     path = Path(args.dataset_path) if args.dataset_path else REPO / "datasets" / f"{args.env_id}_eps{args.epsilon:g}.npz"
-    how = f"python collect_data.py --env-id {args.env_id} --epsilon {args.epsilon:g} --overwrite" + (
-        f" --dataset-path {path}" if args.dataset_path else "")
+    how = (f"python collect_data.py --env-id {args.env_id} --epsilon {args.epsilon:g} --overwrite" if not args.dataset_path
+           else f"collect_data.py (our tasks) or import_data.py (your logs), --dataset-path {path}")
     try:
         exists = path.exists()
     except OSError as e:  # e.g. a name longer than the file system allows
@@ -448,7 +451,8 @@ def load_checkpoint(path: str, algorithm: str, keys: dict) -> dict:
         fail(f"checkpoint {path} is unreadable ({reason}): it is not a model.pt written by --save-model")
     if not isinstance(ckpt, dict) or (algorithm and ckpt.get("algorithm") != algorithm):
         saved_by = ckpt.get("algorithm") if isinstance(ckpt, dict) else None
-        fail(f"checkpoint {path} was not saved by {algorithm}.py" + (f" but by {saved_by}.py" if saved_by else ""))
+        fail(f"checkpoint {path} was not saved by " + (f"{algorithm}.py" if algorithm else "an algorithm script")
+             + (f" but by {saved_by}.py" if saved_by else ""))
     keys = {"algorithm": str, "env_id": str, "obs_dim": int, "n_actions": int, **keys}
     missing = [k for k in keys if k not in ckpt]
     if missing:
@@ -457,6 +461,8 @@ def load_checkpoint(path: str, algorithm: str, keys: dict) -> dict:
              or (kind is int and not 0 <= ckpt[k] < 2**40) or (kind is float and not math.isfinite(ckpt[k]))]
     if wrong:
         fail(f"checkpoint {path}: {wrong} have the wrong type; save it again with --save-model")
+    if not has_simulator(ckpt["env_id"]):  # trained on an imported dataset of a task not installed here
+        return ckpt
     env = make_env(ckpt["env_id"])
     if (ckpt["obs_dim"], ckpt["n_actions"]) != (env.observation_space.shape[0], int(env.action_space.n)):
         fail(f"checkpoint {path} is for observation size {ckpt['obs_dim']} and {ckpt['n_actions']} actions, but "
@@ -532,6 +538,8 @@ def q_function(network):
 
 
 def evaluate_checkpoint(path: str, act, env_id: str, episodes: int, seed: int, note: str = "") -> None:
+    require(has_simulator(env_id), f"{env_id} has no simulator here, so {path} cannot be evaluated in it; its "
+            f"improvement certificate: python certify.py {path}")
     envs = [make_env(env_id) for _ in range(episodes)]
     try:
         returns = evaluate(act, envs, seed)
@@ -614,8 +622,9 @@ class Evaluations:
     def finish(self, algorithm: str, data: dict, dataset_path: Path, run_dir: Path, extra: dict, model: dict) -> dict:
         """Write model.pt (with --save-model) and result.json (last: a directory with it holds a finished run)."""
         args = self.args
-        score = "return_mean" if self.simulator else "certificate"
-        final_score = float(np.mean([e[score] for e in self.records[-10:]]))
+        # without a simulator an evaluation that deployed beta (brpo's safety test) scores beta's gain over itself: 0
+        final_score = float(np.mean([e["return_mean"] if self.simulator else e["certificate"]
+                                     if e.get("deployed", "pi") == "pi" else 0.0 for e in self.records[-10:]]))
         result = {
             "algorithm": algorithm, "env_id": args.env_id, "epsilon": args.epsilon, "seed": args.seed,
             "args": asdict(args), "evaluations": self.records, "final_score": final_score,
@@ -697,7 +706,8 @@ MAX_BROKEN_SHARE = 0.01  # more rows than this whose next state is not the next 
 def certificate_data(data: dict, beta: np.ndarray, gamma: float, behavior: BehaviorPolicy):
     """What the certificate needs, computed once: the rows of complete logged episodes, their episode index,
     beta(.|s_t), beta(a_t|s_t), the discounted returns-to-go G_t and the behaviour network's state values
-    (E_beta Q_b, max Q_b). Returns (dict, None), or (None, reason) if the batch cannot certify."""
+    (E_beta Q_b, max Q_b; for an imported dataset the behaviour model's logits). Returns (dict, None), or (None,
+    reason) if the batch cannot certify."""
     obs, nxt, actions = data["observations"], data["next_observations"], data["actions"]
     end = data["terminals"] | data["timeouts"]
     n = len(end)
@@ -765,6 +775,13 @@ def improvement_certificate(pi: np.ndarray, q: np.ndarray, cert: dict, z: float)
     return {"certificate": g, "certificate_se": se, "certificate_lcb": lcb, "certified": float(lcb > 0.0)}
 
 
+def deploy_levels(args: DeployArgs) -> tuple[float, ...]:
+    """--deploy-pessimism, by default the level pi was trained at (--pessimism) and the paper's 0."""
+    if args.deploy_pessimism is not None:
+        return tuple(args.deploy_pessimism)
+    return (args.pessimism, 0.0) if args.pessimism != 0.0 else (0.0,)
+
+
 def deployment_certificate(args: DeployArgs, data: dict, beta: np.ndarray, behavior: BehaviorPolicy):
     """certificate_data for BRPO's deployed-level rule, and the z of one simultaneous (Bonferroni) lower bound per
     --deploy-pessimism level: the chosen level's bound holds at the stated confidence."""
@@ -772,7 +789,7 @@ def deployment_certificate(args: DeployArgs, data: dict, beta: np.ndarray, behav
     if reason:
         print(f"warning: no improvement certificate: {reason}; " + ("the safety test deploys beta (--no-safety-test "
               "deploys pi uncertified)" if args.safety_test else "pi is deployed uncertified"), flush=True)
-    return cert, statistics.NormalDist().inv_cdf(1.0 - (1.0 - args.certificate_confidence) / len(args.deploy_pessimism))
+    return cert, statistics.NormalDist().inv_cdf(1.0 - (1.0 - args.certificate_confidence) / len(deploy_levels(args)))
 
 
 def report_certificate(c: dict, n_episodes: int, args: DeployArgs, deploy_pi: bool, pessimism: float) -> None:

@@ -174,6 +174,8 @@ def validate(logs: dict, source: str, n_actions: int, obs_dim: int) -> dict:
     if "timeouts" not in logs and "episode_ends" not in logs:
         missing.append("timeouts or episode_ends")
     require(not missing, f"logs {source} lack {missing} (docs/import.md lists the columns)")
+    for k, v in logs.items():
+        require(np.asarray(v).dtype.kind in "biuf", f"logs {source}: {k} holds {np.asarray(v).dtype} values, not numbers")
     obs = np.asarray(logs["observations"])
     require(obs.ndim == 2 and obs.shape[0] > 0, f"logs {source}: observations have shape {obs.shape}, expected "
             "(transitions, observation size)")
@@ -281,6 +283,8 @@ def fit_behavior(d: dict, n_actions: int, args: Args) -> tuple[BehaviorNetwork, 
                 best, best_state, best_step = held, {k: v.clone() for k, v in net.state_dict().items()}, step
             elif step - best_step >= 5_000:
                 break  # no better fit of the calibration episodes in 5,000 updates
+    require(best_state is not None, "the behaviour model's held-out loss is not finite: are the observations finite "
+            "and of a moderate scale?")
     net.load_state_dict(best_state)
     with torch.no_grad():
         logits = net(obs).double()
@@ -288,7 +292,8 @@ def fit_behavior(d: dict, n_actions: int, args: Args) -> tuple[BehaviorNetwork, 
     # a uniform mixture, so that actions the network calls impossible keep the probability the held-out logs show
     # them to have (for epsilon-greedy logs the floor recovers eps / |A|); --behavior-floor is the smallest floor
     best = (math.inf, 1.0, args.behavior_floor)
-    for floor in np.geomspace(args.behavior_floor, 0.5 / n_actions, 24) if args.behavior_floor > 0 else [0.0]:
+    top = max(args.behavior_floor, 0.5 / n_actions)  # 0.5 / |A|: an even mix of the network and the uniform policy
+    for floor in np.geomspace(args.behavior_floor, top, 24) if args.behavior_floor > 0 else [0.0]:
         lo, hi, g = math.log(0.05), math.log(20.0), (math.sqrt(5) - 1) / 2  # golden section over log T
         f = lambda t: float(nll(logits[cal], actions[cal], math.exp(t), float(floor)).mean())  # noqa: E731
         for _ in range(40):
@@ -308,8 +313,9 @@ def fit_behavior(d: dict, n_actions: int, args: Args) -> tuple[BehaviorNetwork, 
            "floor": floor}
     require(per.mean() - uniform <= 2 * diff_se,
             f"the behaviour model fits the held-out episodes worse than the uniform policy (log-likelihood per "
-            f"transition {-per.mean():.4f} against {-uniform:.4f}); log the behaviour probabilities (prob_* columns "
-            "or propensity) or provide more episodes")
+            f"transition {-per.mean():.4f} against {-uniform:.4f}); provide more episodes"
+            + ("" if "behavior_probs" in d or "propensities" in d else ", or log the behaviour probabilities (prob_* "
+               "columns or propensity)"))
     return net, (temperature, floor), fit
 
 
@@ -349,7 +355,7 @@ def main(args: Args) -> None:
     require(args.fit_steps > 0, f"--fit-steps must be positive, got {args.fit_steps}")
     require(0 <= args.seed < 2**32, f"--seed must lie in [0, 2**32), got {args.seed}")
     if args.logs:
-        require(args.env_id, "pass --env-id: the gymnasium task the logs come from (evaluation runs in its simulator)")
+        require(args.env_id, "pass --env-id: the task the logs come from (a gymnasium id evaluates in its simulator)")
         logs, env_id, source = read_logs(Path(args.logs)), args.env_id, args.logs
         name = Path(args.logs).stem
     else:

@@ -852,6 +852,15 @@ def test_deployed_pessimism_rule(script, datasets, tmp_path):
         assert f"{both['evaluations'][-1]['return_mean']:.2f}" in proc.stdout
 
 
+def test_deployed_levels_follow_the_trained_pessimism():
+    """The first deployed level is pi as trained: --pessimism, then the paper's 0 (0 alone at --pessimism 0)."""
+    brpo = load_script("brpo.py")
+    assert common.deploy_levels(brpo.Args()) == (1.0, 0.0)
+    assert common.deploy_levels(brpo.Args(pessimism=2.0)) == (2.0, 0.0)
+    assert common.deploy_levels(brpo.Args(pessimism=0.0)) == (0.0,)
+    assert common.deploy_levels(brpo.Args(pessimism=2.0, deploy_pessimism=(0.5,))) == (0.5,)
+
+
 @pytest.mark.parametrize("script,flag,value", [("brpo.py", "mu", 1.5), ("brpo.py", "kappa_decay", 0.0),
                                                ("brpo.py", "kappa_max", -1.0), ("brpo.py", "kappa_scale", 0.0),
                                                ("brpo_c.py", "kappa_scale", float("inf")), ("brpo.py", "pessimism", -1.0), ("brpo.py", "confidence_learning_rate", 0.0),

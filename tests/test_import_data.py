@@ -196,7 +196,8 @@ def test_without_a_simulator_the_certificate_is_the_score(own, tmp_path):
     assert proc.returncode == 0 and "without a simulator" in proc.stdout, proc.stderr
     for name in ("bc.py", "brpo.py"):
         proc = run([REPO / name, "--env-id", "MyCartPole-v0", "--dataset-path", tmp_path / "d.npz", "--runs-dir",
-                    tmp_path / "runs", "--run-name", name[:-3], "--total-steps", "200", "--eval-frequency", "100"])
+                    tmp_path / "runs", "--run-name", name[:-3], "--total-steps", "200", "--eval-frequency", "100",
+                    "--save-model"])
         assert proc.returncode == 0, proc.stderr
         assert "no simulator" in proc.stdout and "improvement certificate" in proc.stdout
         r = json.loads((tmp_path / "runs" / name[:-3] / "result.json").read_text())
@@ -205,3 +206,10 @@ def test_without_a_simulator_the_certificate_is_the_score(own, tmp_path):
         assert all(np.isfinite([e["certificate"], e["certificate_se"], e["tv_to_beta"]]).all() for e in r["evaluations"])
     proc = run([REPO / "benchmark" / "aggregate.py", tmp_path / "runs", "--out", tmp_path / "report", "--no-plots"])
     assert "improvement certificate" in proc.stdout + proc.stderr
+    # its saved model: certified from the batch, and refused (one line) by --eval-checkpoint, which needs a simulator
+    model = tmp_path / "runs" / "brpo" / "model.pt"
+    proc = run([REPO / "certify.py", model, "--json"])
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["certificate"] == pytest.approx(r["evaluations"][-1]["certificate"], rel=1e-9, abs=1e-12)
+    proc = run([REPO / "brpo.py", "--eval-checkpoint", model])
+    assert proc.returncode == 1 and "no simulator" in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
