@@ -251,11 +251,8 @@ def train(args: Args, data: dict, dataset_path: Path, run_dir: Path, writer, obs
     behavior_probs = torch.as_tensor(data["behavior_probs"], dtype=torch.float64)
     behavior_probs /= behavior_probs.sum(1, keepdim=True)
     beta_all = behavior_probs.numpy()
-    # the float32 per-transition arrays side by side: a minibatch is one row gather
-    table = np.concatenate([data["observations"], data["next_observations"], data["next_behavior_probs"],
-                            data["rewards"][:, None], bootstrap[:, None]], 1, dtype=np.float32)
-    columns = (slice(0, obs_dim), slice(obs_dim, 2 * obs_dim), slice(2 * obs_dim, 2 * obs_dim + n_actions),
-               2 * obs_dim + n_actions, 2 * obs_dim + n_actions + 1)  # s, s', beta(.|s'), r, gamma (1 - terminal)
+    next_obs, next_beta = torch.as_tensor(data["next_observations"]), data["next_behavior_probs"]
+    rewards, bootstrap = torch.as_tensor(data["rewards"]), torch.as_tensor(bootstrap)
     behavior = common.behavior_policy(data)
     (cert, z), levels = common.deployment_certificate(args, data, beta_all, behavior), common.deploy_levels(args)
     cert_obs, cert_beta = (obs[cert["rows"]], behavior_probs[cert["rows"]]) if cert else (None, None)
@@ -273,11 +270,11 @@ def train(args: Args, data: dict, dataset_path: Path, run_dir: Path, writer, obs
     for step in range(1, args.total_steps + 1):
         # --- update: critic (Algorithm 1, line 6) ---
         idx = torch.randint(len(actions_np), (args.batch_size,), generator=generator).numpy()
-        batch = table.take(idx, 0)
-        s, next_s, _, r, boot = (torch.from_numpy(batch[:, c]) for c in columns)
+        ti = torch.from_numpy(idx)
+        s, next_s, r, boot = obs[ti], next_obs[ti], rewards[ti], bootstrap[ti]
         with torch.no_grad():
             next_q = target_network(next_s).numpy()
-        next_v = mixed_value(next_q, batch[:, columns[2]], args.mu)
+        next_v = mixed_value(next_q, next_beta[idx], args.mu)
         td_target = torch.addcmul(r, torch.from_numpy(next_v), boot)  # r + gamma (1 - terminal) V(s')
         q_all = q_network(s)
         q32 = q_all.detach().numpy()

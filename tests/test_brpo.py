@@ -813,8 +813,8 @@ def test_brpo_c_differs_only_in_confidence():
     assert set(brpo_c) - set(brpo) == {"ConstantConfidence"}
     brpo_src, c_src = (REPO / "brpo.py").read_text().splitlines(), set((REPO / "brpo_c.py").read_text().splitlines())
     # inside train, the critic update, the target update and the evaluation are verbatim the same lines
-    for needle in ("next_v = mixed_value(next_q, batch[:, columns[2]], args.mu)", "td_target = torch.addcmul(r, torch.from_numpy(next_v), boot)",
-                   "batch = table.take(idx, 0)", "tp.lerp_(p, args.tau)", "returns = evaluate(act, eval_envs, args.eval_seed) if eval_envs", "level, certificate = common.choose_level(",
+    for needle in ("next_v = mixed_value(next_q, next_beta[idx], args.mu)", "td_target = torch.addcmul(r, torch.from_numpy(next_v), boot)",
+                   "s, next_s, r, boot = obs[ti], next_obs[ti], rewards[ti], bootstrap[ti]", "tp.lerp_(p, args.tau)", "returns = evaluate(act, eval_envs, args.eval_seed) if eval_envs", "level, certificate = common.choose_level(",
                    "unit = advantage_unit(q_np, q_max) if step == 1", "q_grad, td_error = critic_output_grad("):
         line = next(line for line in brpo_src if needle in line)
         assert line in c_src
