@@ -2,7 +2,7 @@
 model.pt (--save-model), from the logged returns of the batch alone.
 
     python certify.py runs/<run-name>/model.pt
-    python certify.py runs/<run-name>/model.pt --dataset-path my_batch.npz --confidence 0.99
+    python certify.py runs/<run-name>/model.pt --dataset-path my_batch.npz --certificate-confidence 0.99
 
 It estimates the first-order improvement g of pi over beta along beta + c (pi - beta) (the policy-gradient identity,
 doubly robust, cross-fitted over episodes), its standard error over the logged episodes, and the one-sided lower
@@ -38,12 +38,12 @@ class Args:
     """model.pt written by any algorithm script's --save-model"""
     dataset_path: Optional[str] = None
     """the batch to certify on; default: the one the model was trained on"""
-    confidence: float = 0.95
-    """one-sided confidence level of the lower bound"""
+    certificate_confidence: float = 0.95
+    """one-sided confidence level of the lower bound (the same flag name as brpo.py's)"""
     certificate_gamma: Optional[float] = None
     """discount of the logged returns-to-go (default: the model's own --certificate-gamma, else 0.99)"""
-    greedy: bool = False
-    """certify the argmax policy instead of the stochastic one (scripts that act greedily are certified greedy anyway)"""
+    eval_greedy: bool = False
+    """certify the argmax policy that --eval-greedy evaluates, not the stochastic one (greedy scripts are anyway)"""
     json: bool = False
     """print the result as one JSON object"""
 
@@ -57,15 +57,15 @@ def load_script(name: str):
 
 
 def main(args: Args) -> None:
-    if not 0.5 <= args.confidence <= 1.0 - 1e-9:
-        fail(f"--confidence must lie in [0.5, 1), got {args.confidence}")
+    if not 0.5 <= args.certificate_confidence <= 1.0 - 1e-9:
+        fail(f"--certificate-confidence must lie in [0.5, 1), got {args.certificate_confidence}")
     if args.certificate_gamma is not None and not 0.0 <= args.certificate_gamma <= 1.0:
         fail(f"--certificate-gamma must lie in [0, 1], got {args.certificate_gamma}")
     torch.set_num_threads(1)
     ckpt = common.load_checkpoint(args.checkpoint, "", {"args": dict})
     if ckpt["algorithm"] not in SCRIPTS:
         fail(f"checkpoint {args.checkpoint} was saved by {ckpt['algorithm']}.py, which this repository does not have")
-    ckpt, _, probs, q_function = load_script(ckpt["algorithm"]).load_policy(args.checkpoint, args.greedy)
+    ckpt, _, probs, q_function = load_script(ckpt["algorithm"]).load_policy(args.checkpoint, args.eval_greedy)
     saved = ckpt["args"]
     epsilon = saved.get("epsilon")
     if not isinstance(epsilon, float):
@@ -87,15 +87,15 @@ def main(args: Args) -> None:
     q = q_function(obs) if q_function else cert["q_b"]
     if not (np.isfinite(pi).all() and np.isfinite(q).all()):
         fail(f"checkpoint {args.checkpoint} gives NaN or inf probabilities or values on the batch's states")
-    z = statistics.NormalDist().inv_cdf(args.confidence)
+    z = statistics.NormalDist().inv_cdf(args.certificate_confidence)
     c = {**common.improvement_certificate(pi, q, cert, z), "tv_to_beta": common.tv_to_beta(pi, cert["beta"]),
-         "episodes": cert["n_episodes"], "confidence": args.confidence, "dataset_path": str(dataset_path),
+         "episodes": cert["n_episodes"], "certificate_confidence": args.certificate_confidence, "dataset_path": str(dataset_path),
          "algorithm": ckpt["algorithm"]}
     if args.json:
         print(json.dumps(c))
         return
     print(f"{args.checkpoint} ({ckpt['algorithm']}.py) against beta on {dataset_path}: improvement {c['certificate']:.4g} "
-          f"+- {c['certificate_se']:.3g} over {c['episodes']} logged episodes, {args.confidence:.0%} lower bound "
+          f"+- {c['certificate_se']:.3g} over {c['episodes']} logged episodes, {args.certificate_confidence:.0%} lower bound "
           f"{c['certificate_lcb']:.4g}: {'certified' if c['certified'] else 'not certified'} (mean total variation to "
           f"beta {c['tv_to_beta']:.3g})")
 

@@ -61,7 +61,7 @@ def test_beta_itself_improves_by_exactly_nothing(models):
 
 def test_greedy_certifies_the_argmax_policy(models):
     sampled = json.loads(certify(models["bc"], "--json").stdout)
-    greedy = json.loads(certify(models["bc"], "--json", "--greedy").stdout)
+    greedy = json.loads(certify(models["bc"], "--json", "--eval-greedy").stdout)
     assert greedy["tv_to_beta"] != sampled["tv_to_beta"]
 
 
@@ -70,7 +70,7 @@ def test_bad_input_is_one_line(models, datasets, tmp_path):
     junk.write_bytes(b"not a checkpoint")
     for proc, needle in ((run([REPO / "certify.py", junk]), "is unreadable"),
                          (run([REPO / "certify.py", tmp_path / "none.pt"]), "not found"),
-                         (certify(models["dqn_offline"], "--confidence", "1.5"), "--confidence must lie in"),
+                         (certify(models["dqn_offline"], "--certificate-confidence", "1.5"), "--certificate-confidence must lie in"),
                          (certify(models["dqn_offline"], "--dataset-path", tmp_path / "none.npz"), "not found"),
                          (certify(models["dqn_offline"], "--dataset-path", datasets[0.0]), "collected with epsilon 0")):
         assert proc.returncode == 1, proc.stderr
