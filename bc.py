@@ -25,10 +25,13 @@ if __name__ == "__main__":  # an interrupt while the libraries below load has no
 import numpy as np
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 import common
-from common import Evaluations, check_finite, load_checkpoint, load_weights
+from common import load_checkpoint, load_weights
+
+
+# --sweep may vary these (and --learning-rate) between the members of one process
+MEMBER_FLAGS = ()
 
 
 @dataclass
@@ -50,22 +53,14 @@ class PolicyNetwork(nn.Module):
         return self.net(x)
 
 
-def make_policy(policy_network: PolicyNetwork, greedy: bool, seed: int):
-    """Acting function for evaluate(). The sampling noise of the evaluation after k updates starts from
-    seed + k (act.n_updates = k): each evaluation is reproducible on its own (a checkpoint re-evaluates to
-    the same returns), and the last 10 evaluations that make the final score average 10 independent draws
-    of the policy's randomness, like the behaviour policy's 10 passes in `behavior_return`."""
-    generator = torch.Generator()
-
-    def act(obs: np.ndarray) -> np.ndarray:
-        with torch.no_grad():
-            logits = policy_network(torch.from_numpy(obs))
-            if greedy:
-                return logits.argmax(1).numpy()
-            return torch.multinomial(torch.softmax(logits, 1), 1, generator=generator).squeeze(1).numpy()
-
-    act.n_updates = 0
-    act.reset = lambda: generator.manual_seed(seed + act.n_updates)
+def make_policy(policy_network: common.Stack, greedy: bool):
+    """act(obs [M, E, dim], u) -> actions [M, E]: sampled from the cloned policy with the evaluation's uniforms u
+    (each evaluation's noise is seeded with eval_seed + updates so far: reproducible on its own, and the last 10
+    evaluations that make the final score average 10 independent draws, like the behaviour policy's 10 passes in
+    `behavior_return`), or its most likely action."""
+    def act(obs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        logits = policy_network(obs)
+        return logits.argmax(-1) if greedy else common.sample(torch.softmax(logits, -1), u)
     return act
 
 
@@ -74,66 +69,53 @@ def check_args(args: Args) -> None:
 
 
 def load_policy(path: str, greedy: bool = False, eval_seed: int = 10_000):
-    """A saved policy (--eval-checkpoint, certify.py): its checkpoint, act(obs) for evaluate(), probs(obs, beta) ->
-    pi(.|s) and its critic's Q(s, .) (BC has none)."""
+    """A saved policy (--eval-checkpoint, certify.py): its checkpoint, act(obs, u), probs(obs, beta) -> pi(.|s) and
+    its critic's Q(s, .) (BC has none), on observations [1, N, dim]."""
     ckpt = load_checkpoint(path, "bc", {"policy_network": dict, "n_updates": int})
     policy_network = PolicyNetwork(ckpt["obs_dim"], ckpt["n_actions"])
     load_weights(path, policy_network, ckpt["policy_network"])
-    act = make_policy(policy_network, greedy, eval_seed)
-    act.n_updates = ckpt["n_updates"]  # the sampling noise of the run's own evaluation at that point
-    return ckpt, act, probs_function(policy_network, greedy), None
+    policy = common.Stack([policy_network.net])
+    return ckpt, make_policy(policy, greedy), probs_function(policy, greedy), None
 
 
-def probs_function(policy_network: PolicyNetwork, greedy: bool):
-    """probs(obs, beta) -> pi(.|s): what evaluate() samples (or its argmax), for the improvement certificate."""
-    def probs(obs: np.ndarray, beta: np.ndarray) -> np.ndarray:
+def probs_function(policy_network: common.Stack, greedy: bool):
+    """probs(obs, beta) -> pi(.|s): what act samples (or its argmax), for the improvement certificate."""
+    def probs(obs: torch.Tensor, beta: np.ndarray) -> np.ndarray:
         with torch.no_grad():
-            logits = policy_network(torch.from_numpy(obs)).double()
-        return common.one_hot(logits.argmax(1).numpy(), logits.shape[1]) if greedy else torch.softmax(logits, 1).numpy()
+            logits = policy_network(obs).double()
+        return common.one_hot(logits.argmax(-1).numpy(), logits.shape[-1]) if greedy else torch.softmax(logits, -1).numpy()
     return probs
 
 
 def run_checkpoint(args: Args) -> None:
     ckpt, act, _, _ = load_policy(args.eval_checkpoint, args.eval_greedy, args.eval_seed)
-    common.evaluate_checkpoint(args.eval_checkpoint, act, ckpt["env_id"], args.eval_episodes, args.eval_seed)
+    common.evaluate_checkpoint(args.eval_checkpoint, act, ckpt["env_id"], args.eval_episodes, args.eval_seed,
+                               n_updates=ckpt["n_updates"])
 
 
 def main(args: Args) -> None:
-    common.main(args, check_args, train, run_checkpoint)
+    common.main(args, check_args, train, run_checkpoint, member_flags=MEMBER_FLAGS)
 
 
-def train(args: Args, data: dict, dataset_path: Path, run_dir: Path, writer, obs_dim: int, n_actions: int) -> None:
-    torch.manual_seed(args.seed)
-    generator = torch.Generator().manual_seed(args.seed)
-    obs = torch.as_tensor(data["observations"])
-    actions = torch.as_tensor(data["actions"])
-
-    policy_network = PolicyNetwork(obs_dim, n_actions)
-    # fused: the same Adam update in one kernel instead of a Python loop over the parameter tensors
-    optimizer = torch.optim.Adam(policy_network.parameters(), lr=args.learning_rate, fused=True)
-    eval_envs = common.make_eval_envs(args)
-    act = make_policy(policy_network, args.eval_greedy, args.eval_seed)
-    log = Evaluations(args, writer, data)
-    for step in range(1, args.total_steps + 1):
-        idx = torch.randint(len(actions), (args.batch_size,), generator=generator)
-        logits = policy_network(obs[idx])
-        loss = F.cross_entropy(logits, actions[idx])
-        optimizer.zero_grad()
-        loss.backward()
+def train(runs: common.Members) -> None:
+    obs, actions = runs.tensor("observations"), runs.tensor("actions")
+    policy_network = common.Stack(*runs.build(lambda: [PolicyNetwork(runs.obs_dim, runs.n_actions).net]))
+    optimizer = common.Adam(policy_network, runs.column("learning_rate"))
+    act = make_policy(policy_network, runs.first.eval_greedy)
+    for step in range(1, runs.first.total_steps + 1):
+        idx = runs.minibatch(step)  # [M, batch]
+        log_pi = torch.log_softmax(policy_network(obs[idx]), -1)
+        loss = -log_pi.gather(-1, actions[idx].unsqueeze(-1)).mean((1, 2))  # [M]: each member's cross-entropy
+        loss.sum().backward()
         optimizer.step()
 
-        if writer and step % 100 == 0:
-            writer.add_scalar("losses/nll", loss.item(), step)
+        runs.log(step, {"losses/nll": loss})
+        if runs.due(step):
+            runs.evaluate(step, [policy_network], act, probs_function(policy_network, runs.first.eval_greedy))
 
-        if log.due(step):
-            log.pause()
-            check_finite(step, policy_network)
-            act.n_updates = step
-            log.evaluate(step, act, eval_envs, probs_function(policy_network, args.eval_greedy))
-
-    log.finish("bc", data, dataset_path, run_dir, {}, {
-        "obs_dim": obs_dim, "n_actions": n_actions, "policy_network": policy_network.state_dict(),
-        "n_updates": args.total_steps})
+    runs.finish("bc", lambda m: {}, lambda m: {
+        "obs_dim": runs.obs_dim, "n_actions": runs.n_actions, "policy_network": policy_network.state_dict(m, "net."),
+        "n_updates": runs.first.total_steps})
 
 
 if __name__ == "__main__":

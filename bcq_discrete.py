@@ -47,7 +47,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import common
-from common import Evaluations, check_finite, fail, load_checkpoint, load_weights
+from common import fail, load_checkpoint, load_weights
+
+
+# --sweep may vary these (and --learning-rate, --gamma, --tau, --target-update-frequency) between the members of one process
+MEMBER_FLAGS = ("bcq_threshold",)
 
 
 @dataclass
@@ -69,35 +73,12 @@ class QNetwork(nn.Module):
         return self.net(x)
 
 
-class BCQNetwork(nn.Module):
-    """The Q-network and the imitation network G: two separate FC(32)-FC(16) networks (nothing shared,
-    like the authors' FC_Q), evaluated together. Layer l of both is stored as one stacked weight
-    [2, in, out] (tower 0 = Q, tower 1 = G; nn.Linear's weight transposed) and bias [2, 1, out], so one
-    batched matmul runs the layer for both networks: half the kernel launches and autograd nodes of
-    two nn.Sequential, which is what the throughput target needs. Mathematically identical to two
-    independent networks (no weight is shared), and initialised exactly like nn.Linear layers.
-    forward(x) returns (Q-values [B, |A|], imitation logits [B, |A|])."""
-
-    def __init__(self, obs_dim: int, n_actions: int):
-        super().__init__()
-        q_net, g_net = QNetwork(obs_dim, n_actions).net, QNetwork(obs_dim, n_actions).net
-
-        def stacked_weight(i: int) -> nn.Parameter:
-            return nn.Parameter(torch.stack((q_net[i].weight.detach().T, g_net[i].weight.detach().T)))
-
-        def stacked_bias(i: int) -> nn.Parameter:
-            return nn.Parameter(torch.stack((q_net[i].bias.detach()[None], g_net[i].bias.detach()[None])))
-
-        # Plain attributes, not a ParameterList: indexing one costs more than the layer itself.
-        self.w0, self.b0 = stacked_weight(0), stacked_bias(0)
-        self.w1, self.b1 = stacked_weight(2), stacked_bias(2)
-        self.w2, self.b2 = stacked_weight(4), stacked_bias(4)
-
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        h = torch.baddbmm(self.b0, x.expand(2, *x.shape), self.w0).relu()
-        h = torch.baddbmm(self.b1, h, self.w1).relu()
-        out = torch.baddbmm(self.b2, h, self.w2)
-        return out[0], out[1]
+def towers(network: common.Stack, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Q-network and the imitation network G: two separate FC(32)-FC(16) networks per member (nothing shared,
+    like the authors' FC_Q), stored as networks 2m (Q) and 2m + 1 (G) of one Stack, so one batched matmul runs a
+    layer of both. x [M, B, dim] -> (Q-values [M, B, |A|], imitation logits [M, B, |A|])."""
+    out = network(x.repeat_interleave(2, 0)).unflatten(0, (-1, 2))
+    return out[:, 0], out[:, 1]
 
 
 # Masked-out actions get this value before an argmax: finite, so no inf - inf = NaN anywhere.
@@ -108,35 +89,34 @@ def log_threshold(threshold: float) -> float:
     return math.log(threshold) if threshold > 0 else -math.inf
 
 
-def allowed_actions(logits: torch.Tensor, log_tau: float) -> torch.Tensor:
-    """Boolean [batch, n_actions]: G(a|s) / max_a' G(a'|s) >= tau, tested in log space
+def allowed_actions(logits: torch.Tensor, log_tau) -> torch.Tensor:
+    """Boolean [..., n_actions]: G(a|s) / max_a' G(a'|s) >= tau, tested in log space
     (logit - max logit = log of the ratio; the softmax normaliser cancels). The most likely
     action is always allowed (0 >= log tau for tau <= 1)."""
-    return logits - logits.max(1, keepdim=True).values >= log_tau
+    return logits - logits.max(-1, keepdim=True).values >= log_tau
 
 
 def masked_argmax(q: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
     """argmax over allowed actions only (first index on ties)."""
-    return torch.where(allowed, q, MASK_VALUE).argmax(1)
+    return torch.where(allowed, q, MASK_VALUE).argmax(-1)
 
 
-def bcq_target(network: BCQNetwork, target_network: BCQNetwork, next_obs: torch.Tensor, rewards: torch.Tensor,
-               not_done: torch.Tensor, gamma: float, log_tau: float) -> tuple[torch.Tensor, torch.Tensor]:
+def bcq_target(network: common.Stack, target_network: common.Stack, next_obs: torch.Tensor, rewards: torch.Tensor,
+               not_done: torch.Tensor, gamma, log_tau) -> tuple[torch.Tensor, torch.Tensor]:
     """y = r + gamma * (1 - terminal) * Q_target(s', a'), a' = the online network's best allowed action
     at s' (allowed by the online G). Returns y and the allowed-action mask at s'."""
-    next_q, next_logits = network(next_obs)
+    next_q, next_logits = towers(network, next_obs)
     allowed = allowed_actions(next_logits, log_tau)
     next_action = masked_argmax(next_q, allowed)
-    target_q = target_network(next_obs)[0].gather(1, next_action[:, None]).squeeze(1)
+    target_q = towers(target_network, next_obs)[0].gather(-1, next_action.unsqueeze(-1)).squeeze(-1)
     return rewards + gamma * target_q * not_done, allowed
 
 
-def greedy_policy(network: BCQNetwork, log_tau: float):
-    """BCQ's policy: the highest-Q action among the allowed ones."""
-    def act(obs: np.ndarray) -> np.ndarray:
-        with torch.no_grad():
-            q, logits = network(torch.from_numpy(obs))
-            return masked_argmax(q, allowed_actions(logits, log_tau)).numpy()
+def greedy_policy(network: common.Stack, log_tau):
+    """BCQ's policy: the highest-Q action among the allowed ones; act(obs [M, E, dim], u) -> [M, E]."""
+    def act(obs: torch.Tensor, u=None) -> torch.Tensor:
+        q, logits = towers(network, obs)
+        return masked_argmax(q, allowed_actions(logits, log_tau))
     return act
 
 
@@ -147,16 +127,27 @@ def check_args(args: Args) -> None:
 
 
 def load_policy(path: str, greedy: bool = True, eval_seed: int = 10_000):
-    """A saved policy (--eval-checkpoint, certify.py): its checkpoint, act(obs) for evaluate(), probs(obs, beta) ->
-    pi(.|s) (one-hot) and its critic's Q(s, .)."""
-    ckpt = load_checkpoint(path, "bcq_discrete", {"network": dict, "args": dict})
+    """A saved policy (--eval-checkpoint, certify.py): its checkpoint, act(obs, u), probs(obs, beta) -> pi(.|s)
+    (one-hot) and its critic's Q(s, .), on observations [1, N, dim]."""
+    ckpt = load_checkpoint(path, "bcq_discrete", {"q_network": dict, "imitation_network": dict, "args": dict})
     threshold = ckpt["args"].get("bcq_threshold")  # part of the learned policy: the one it was trained with
     if not isinstance(threshold, float) or not 0.0 <= threshold <= 1.0:
         fail(f"checkpoint {path} has no --bcq-threshold in [0, 1] in its args; save it again with --save-model")
-    network = BCQNetwork(ckpt["obs_dim"], ckpt["n_actions"])
-    load_weights(path, network, ckpt["network"])
+    q_network, imitation = QNetwork(ckpt["obs_dim"], ckpt["n_actions"]), QNetwork(ckpt["obs_dim"], ckpt["n_actions"])
+    load_weights(path, q_network, ckpt["q_network"])
+    load_weights(path, imitation, ckpt["imitation_network"])
+    network = common.Stack([q_network.net, imitation.net])
     act = greedy_policy(network, log_threshold(threshold))
-    return ckpt, act, lambda obs, beta: common.one_hot(act(obs), ckpt["n_actions"]), common.q_function(network)
+    return ckpt, act, greedy_probs(act), critic(network)
+
+
+def critic(network: common.Stack):
+    """obs [M, N, dim] -> Q(s, .) [M, N, |A|] float64 numpy (the improvement certificate's critic)."""
+    return common.q_function(lambda obs: towers(network, obs)[0])
+
+
+def greedy_probs(act):
+    return lambda obs, beta: common.one_hot(act(torch.as_tensor(obs)).numpy(), beta.shape[-1])
 
 
 def run_checkpoint(args: Args) -> None:
@@ -164,10 +155,10 @@ def run_checkpoint(args: Args) -> None:
     common.evaluate_checkpoint(args.eval_checkpoint, act, ckpt["env_id"], args.eval_episodes, args.eval_seed)
 
 
-def dataset_statistics(network: BCQNetwork, obs: torch.Tensor, actions: torch.Tensor, log_tau: float) -> dict:
-    """Final diagnostics over the whole batch (one forward): how constrained the policy is."""
+def dataset_statistics(network: common.Stack, obs: torch.Tensor, actions: torch.Tensor, log_tau: float) -> dict:
+    """Final diagnostics over the member's batch (one forward): how constrained the policy is."""
     with torch.no_grad():
-        q, logits = network(obs)
+        q, logits = (x[0] for x in towers(network, obs[None]))
         allowed = allowed_actions(logits, log_tau)
         return {"allowed_actions_mean": float(allowed.sum(1).float().mean()),
                 "batch_action_allowed": float(allowed.gather(1, actions[:, None]).float().mean()),
@@ -176,65 +167,51 @@ def dataset_statistics(network: BCQNetwork, obs: torch.Tensor, actions: torch.Te
 
 
 def main(args: Args) -> None:
-    common.main(args, check_args, train, run_checkpoint)
+    common.main(args, check_args, train, run_checkpoint, member_flags=MEMBER_FLAGS)
 
 
-def train(args: Args, data: dict, dataset_path: Path, run_dir: Path, writer, obs_dim: int, n_actions: int) -> None:
-    torch.manual_seed(args.seed)
-    generator = torch.Generator().manual_seed(args.seed)
-    obs = torch.as_tensor(data["observations"])
-    next_obs = torch.as_tensor(data["next_observations"])
-    actions = torch.as_tensor(data["actions"])
-    rewards = torch.as_tensor(data["rewards"])
+def train(runs: common.Members) -> None:
+    obs, next_obs = runs.tensor("observations"), runs.tensor("next_observations")
+    actions, rewards = runs.tensor("actions"), runs.tensor("rewards")
     # Time-limit truncations (timeouts) are not terminal: we bootstrap through them.
-    not_done = torch.as_tensor(1.0 - data["terminals"].astype(np.float32))
+    not_done = 1.0 - runs.tensor("terminals").float()
+    gamma, log_tau = runs.column("gamma"), runs.column("bcq_threshold").log()[..., None]  # log 0 = -inf: all allowed
+    pair = lambda x: x.repeat_interleave(2, 0)  # noqa: E731  (a member's value for both of its towers)
+    tau, period = pair(runs.column("tau")), pair(runs.column("target_update_frequency", torch.long))
 
-    network = BCQNetwork(obs_dim, n_actions)
-    target_network = BCQNetwork(obs_dim, n_actions)  # only its Q-values are used
-    target_network.load_state_dict(network.state_dict())
-    # one optimizer on the summed loss, as in the authors' code; fused: the same Adam update in one kernel
-    optimizer = torch.optim.Adam(network.parameters(), lr=args.learning_rate, fused=True)
-    log_tau = log_threshold(args.bcq_threshold)
-    eval_envs = common.make_eval_envs(args)
+    build = lambda: [QNetwork(runs.obs_dim, runs.n_actions).net, QNetwork(runs.obs_dim, runs.n_actions).net]  # noqa
+    network = common.Stack([net for nets in zip(*runs.build(build)) for net in nets])  # Q_1, G_1, Q_2, G_2, ...
+    target_network = network.copy()  # only its Q-values are used
+    # one optimizer on the summed loss, as in the authors' code
+    optimizer = common.Adam(network, pair(runs.column("learning_rate")))
     act = greedy_policy(network, log_tau)
 
-    log = Evaluations(args, writer, data)
-    for step in range(1, args.total_steps + 1):
-        idx = torch.randint(len(actions), (args.batch_size,), generator=generator)
-        batch_actions = actions[idx]
+    for step in range(1, runs.first.total_steps + 1):
+        idx = runs.minibatch(step)  # [M, batch]
+        batch_actions = actions[idx].unsqueeze(-1)
         with torch.no_grad():
             td_target, next_allowed = bcq_target(network, target_network, next_obs[idx], rewards[idx], not_done[idx],
-                                                 args.gamma, log_tau)
-        q_all, logits = network(obs[idx])
-        q = q_all.gather(1, batch_actions[:, None]).squeeze(1)
-        td_loss = F.smooth_l1_loss(q, td_target)
-        imitation_loss = F.cross_entropy(logits, batch_actions)  # = NLL of log_softmax(logits)
-        logit_penalty = logits.pow(2).mean()
+                                                 gamma, log_tau)
+        q_all, logits = towers(network, obs[idx])
+        q = q_all.gather(-1, batch_actions).squeeze(-1)
+        td_loss = F.smooth_l1_loss(q, td_target, reduction="none").mean(1)  # [M]: per member
+        imitation_loss = -torch.log_softmax(logits, -1).gather(-1, batch_actions).mean((1, 2))
+        logit_penalty = logits.pow(2).mean((1, 2))
         loss = td_loss + imitation_loss + 0.01 * logit_penalty
-        optimizer.zero_grad()
-        loss.backward()
+        loss.sum().backward()
         optimizer.step()
+        common.soft_update(step, target_network, network, period, tau)
 
-        if step % args.target_update_frequency == 0:
-            with torch.no_grad():
-                for p, tp in zip(network.parameters(), target_network.parameters()):
-                    tp.lerp_(p, args.tau)
+        runs.log(step, {"losses/td_loss": td_loss, "losses/q_values": q.mean(1), "losses/imitation_loss": imitation_loss,
+                        "losses/logit_penalty": logit_penalty,
+                        "losses/allowed_fraction": next_allowed.float().mean((1, 2))})
+        if runs.due(step):
+            runs.evaluate(step, [network], act, greedy_probs(act), critic(network))
 
-        if writer and step % 100 == 0:
-            writer.add_scalar("losses/td_loss", td_loss.item(), step)
-            writer.add_scalar("losses/q_values", q.mean().item(), step)
-            writer.add_scalar("losses/imitation_loss", imitation_loss.item(), step)
-            writer.add_scalar("losses/logit_penalty", logit_penalty.item(), step)
-            writer.add_scalar("losses/allowed_fraction", next_allowed.float().mean().item(), step)
-
-        if log.due(step):
-            log.pause()
-            check_finite(step, network)
-            log.evaluate(step, act, eval_envs, lambda obs, beta: common.one_hot(act(obs), n_actions),
-                         common.q_function(network))
-
-    log.finish("bcq_discrete", data, dataset_path, run_dir, dataset_statistics(network, obs, actions, log_tau), {
-        "obs_dim": obs_dim, "n_actions": n_actions, "network": network.state_dict()})
+    runs.finish("bcq_discrete", lambda m: dataset_statistics(network.select([2 * m, 2 * m + 1]), obs[runs.rows(m)],
+                                                             actions[runs.rows(m)], float(log_tau[m])), lambda m: {
+        "obs_dim": runs.obs_dim, "n_actions": runs.n_actions, "q_network": network.state_dict(2 * m, "net."),
+        "imitation_network": network.state_dict(2 * m + 1, "net.")})
 
 
 if __name__ == "__main__":

@@ -32,7 +32,12 @@ import torch
 import torch.nn as nn
 
 import common
-from common import Evaluations, check_finite, evaluate, fail, load_checkpoint
+from common import fail, load_checkpoint
+
+
+# --sweep may vary these (and --learning-rate, --gamma, --tau, --target-update-frequency) between the members of one
+# process
+MEMBER_FLAGS = ("lam", "mu", "kappa_max", "kappa_decay", "kappa_scale", "pessimism")
 
 
 @dataclass
@@ -80,17 +85,17 @@ class QNetwork(nn.Module):
 
 
 class ConstantConfidence:
-    """lambda(s, a) = lam everywhere: feasible for any rho since sum_a (rho - beta) = 0."""
+    """lambda(s, a) = lam everywhere, each member its own --lam ([M, 1]): feasible for any rho since sum_a (rho - beta)
+    = 0. __call__(obs [M, N, dim]) -> [M, N, |A|] float64."""
 
-    def __init__(self, lam: float, n_actions: int):
-        self.lam, self.n_actions = float(lam), n_actions
+    def __init__(self, lam: np.ndarray, n_actions: int):
+        self.lam, self.n_actions = lam, n_actions
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.full((x.shape[0], self.n_actions), self.lam, dtype=torch.float64)
+    def __call__(self, obs: torch.Tensor) -> np.ndarray:
+        return np.broadcast_to(self.lam[..., None], (*obs.shape[:-1], self.n_actions))
 
-
-def load_confidence(ckpt: dict, args: Args, path: str = ""):
-    return ConstantConfidence(args.lam, ckpt["n_actions"])
+    def select(self, members: list) -> "ConstantConfidence":
+        return ConstantConfidence(self.lam[members], self.n_actions)
 
 
 # ---- Candidate policy rho (paper Sec. 5, eq. relative_soft), float64 numpy
@@ -110,16 +115,18 @@ def log_probs(p: np.ndarray) -> np.ndarray:
 def temperature(beta, lam, w, gamma, kappa_scale, kappa_max, kappa_decay, n_updates, log_beta=None):
     """tau(s) = gamma max{kappa_lambda(s), kappa_{|W| lambda}(s)} / (2 - 2 gamma) (eq. relative_soft), kappa_g(s) = 1 +
     log E_beta exp(g^2), kappa <- kappa_scale min(kappa_max, kappa) kappa_decay**n. Departure 4: kappa >= 1 keeps rho
-    within ~1% of beta at gamma = 0.99; our default cap 0.02 < 1 binds everywhere, a constant temperature."""
-    if kappa_max <= 1.0:  # both kappas are >= 1: the cap binds at every state
-        kap = np.full(beta.shape[0], kappa_max)
+    within ~1% of beta at gamma = 0.99; our default cap 0.02 < 1 binds everywhere, a constant temperature.
+    beta, lam, w: [M, B, |A|]; the flags: [M, 1] (one row per member); returns [M, B]."""
+    capped = np.asarray(kappa_max) <= 1.0  # both kappas are >= 1: the cap binds at every state
+    if capped.all():
+        kap = np.broadcast_to(kappa_max, beta.shape[:-1])
     else:
         lb = log_probs(beta) if log_beta is None else log_beta
         lam2 = np.square(lam)
         x = lb + np.stack([lam2, lam2 * np.square(np.minimum(np.abs(w), W_CLAMP))])
         m = x.max(-1, keepdims=True)  # finite: beta has at least one positive entry per state
         both = 1.0 + (m[..., 0] + np.log(np.exp(x - m).sum(-1)))  # 1 + logsumexp: no overflow for large |g|
-        kap = np.minimum(np.maximum(both[0], both[1]), kappa_max)
+        kap = np.where(capped, kappa_max, np.minimum(np.maximum(both[0], both[1]), kappa_max))
     return np.maximum(gamma * kap * (kappa_scale * kappa_decay**n_updates) / (2.0 - 2.0 * gamma), TEMP_MIN)
 
 
@@ -127,86 +134,89 @@ def candidate_policy(beta, lam, w, temp, log_beta=None):
     """rho(a|s) ∝ beta(a|s) exp(lambda W / temp) (eq. relative_soft), as a softmax of log beta + lambda W / temp:
     beta = 0 gives rho = 0 exactly, huge advantages a one-hot rho, never inf/NaN. No gradient flows through rho."""
     w = np.clip(w, -W_CLAMP, W_CLAMP)
-    logits = (log_probs(beta) if log_beta is None else log_beta) + lam * w / temp[:, None]
-    e = np.exp(logits - logits.max(-1)[:, None])
-    return e / e.sum(-1)[:, None]
+    logits = (log_probs(beta) if log_beta is None else log_beta) + lam * w / temp[..., None]
+    e = np.exp(logits - logits.max(-1, keepdims=True))
+    return e / e.sum(-1, keepdims=True)
 
 
-def advantage_unit(q: np.ndarray, q_max: Optional[np.ndarray] = None) -> float:
-    """Departure 5: the mean action gap max_a Q - min_a Q over a batch, the unit in which the relative softmax
-    measures W, so that one temperature means the same on every task (the paper's lambda W carries reward units)."""
-    gap = (q.max(-1) if q_max is None else q_max) - q.min(-1)
-    return float(gap.sum() / gap.shape[0])  # = gap.mean() bit for bit, with less call overhead
+def advantage_unit(q: np.ndarray, q_max: Optional[np.ndarray] = None) -> np.ndarray:
+    """Departure 5: the mean action gap max_a Q - min_a Q over a batch [M, B, |A|], per member, the unit in which the
+    relative softmax measures W, so that one temperature means the same on every task (the paper's lambda W carries
+    reward units)."""
+    return ((q.max(-1) if q_max is None else q_max) - q.min(-1)).mean(-1)
 
 
 def sqrt_floored(beta: np.ndarray) -> np.ndarray:
     return np.sqrt(np.maximum(beta, BETA_MIN))
 
 
-def candidate(beta, lam_tilde, w, args, n_updates, unit, log_beta=None, sqrt_beta=None):
+def candidate(beta, lam_tilde, w, p, pessimism, n_updates, unit, log_beta=None, sqrt_beta=None):
     """rho and its temperature from the current raw confidence (coordinate ascent, Sec. 5), W in advantage units
     (departure 5). Departure 6: W lowered by pessimism / sqrt(beta(a|s)) units, a lower confidence bound on the
     advantage (the critic's error at (s, a) shrinks like 1 / sqrt(n(s, a)), n(s, a) proportional to beta(a|s)): rho
-    follows the critic to an action only as far as the batch has seen it there."""
+    follows the critic to an action only as far as the batch has seen it there. p: the members' flags
+    (common.columns), pessimism [M, 1], unit [M]."""
     log_beta = log_probs(beta) if log_beta is None else log_beta
-    w = w / max(unit, UNIT_MIN) if args.advantage_unit else w
-    if args.pessimism > 0:
-        w = w - args.pessimism / (sqrt_floored(beta) if sqrt_beta is None else sqrt_beta)
-    temp = temperature(beta, lam_tilde, w, args.gamma, args.kappa_scale, args.kappa_max, args.kappa_decay, n_updates,
-                       log_beta)
+    w = np.where(p.advantage_unit[..., None], w / np.maximum(unit, UNIT_MIN)[:, None, None], w)
+    w = w - pessimism[..., None] / (sqrt_floored(beta) if sqrt_beta is None else sqrt_beta)
+    temp = temperature(beta, lam_tilde, w, p.gamma, p.kappa_scale, p.kappa_max, p.kappa_decay, n_updates, log_beta)
     return candidate_policy(beta, lam_tilde, w, temp, log_beta), temp
 
 
 def residual_policy(beta, rho, lam):
     """pi = (1 - lambda) beta + lambda rho (Sec. 2); the clamp and renormalisation only remove rounding."""
-    pi = (beta + lam * (rho - beta)).clamp_min(0.0)
-    return pi / pi.sum(-1, keepdim=True)
+    pi = np.maximum(beta + lam * (rho - beta), 0.0)
+    return pi / pi.sum(-1, keepdims=True)
 
 
 # ---- Critic (Algorithm 1, line 6)
-def mixed_value(q: np.ndarray, beta: np.ndarray, mu: float, q_max: Optional[np.ndarray] = None) -> np.ndarray:
-    """V(s) = (1-mu) E_beta Q(s, .) + mu max_a Q(s, a), for the TD target and for W = Q - V."""
+def mixed_value(q, beta, mu, q_max=None):
+    """V(s) = (1-mu) E_beta Q(s, .) + mu max_a Q(s, a), for the TD target and for W = Q - V (mu: [M, 1])."""
     return (1.0 - mu) * (beta * q).sum(-1) + mu * (q.max(-1) if q_max is None else q_max)
 
 
 def critic_output_grad(q_all: np.ndarray, a: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """d/dQ(s, .) of the TD loss mean_s (Q(s, a_s) - y_s)^2 (float32, bit for bit autograd's through gather +
+    """d/dQ(s, .) of each member's TD loss mean_s (Q(s, a_s) - y_s)^2 (float32, bit for bit autograd's through gather +
     mse_loss; tested) and the TD errors: backward() from it keeps those small graph nodes out of every update."""
-    rows = np.arange(a.shape[0])
-    td_error = q_all[rows, a] - y
-    g = np.zeros_like(q_all)
-    g[rows, a] = np.float32(2.0 / a.shape[0]) * td_error
-    return g, td_error
+    flat, rows = q_all.reshape(-1, q_all.shape[-1]), np.arange(a.size)
+    td_error = flat[rows, a.reshape(-1)].reshape(a.shape) - y
+    g = np.zeros_like(flat)
+    g[rows, a.reshape(-1)] = np.float32(2.0 / a.shape[-1]) * td_error.reshape(-1)
+    return g.reshape(q_all.shape), td_error
 
 
 # ---- The deployed policy and its evaluation
-def policy_probs(obs, beta, q_network, confidence, args, n_updates, unit):
-    """pi(.|s) at arbitrary states (no gradient): the deployed residual policy."""
+FLAGS = ("mu", "gamma", "kappa_scale", "kappa_max", "kappa_decay", "pessimism", "advantage_unit", "lam")  # the flags the method's functions read, one row per member (common.columns)
+
+
+def policy_probs(obs, beta, q_network, confidence, p, pessimism, n_updates, unit):
+    """pi(.|s) [M, N, |A|] at arbitrary states obs [M, N, dim] (no gradient): the deployed residual policy."""
     with torch.no_grad():
-        q = q_network(obs).double()
-        w = q - torch.from_numpy(mixed_value(q.numpy(), beta.numpy(), args.mu))[:, None]
+        q = q_network(obs).double().numpy()
+        w = q - mixed_value(q, beta, p.mu)[..., None]
         lam = confidence(obs)  # constant: already feasible
-        rho, _ = candidate(beta.numpy(), lam.numpy(), w.numpy(), args, n_updates, unit)
-        return residual_policy(beta, torch.from_numpy(rho), lam)
+        rho, _ = candidate(beta, lam, w, p, pessimism, n_updates, unit)
+        return residual_policy(beta, rho, lam)
 
 
-def make_actor(behavior, q_network, confidence, args, greedy: bool):
-    """act(obs) for evaluate(); state: n_updates, unit, args (the deployed level), deploy_pi (False: beta), generator
-    (re-seeded with eval_seed + n_updates: each evaluation is reproducible on its own)."""
-    state = {"n_updates": 0, "unit": 1.0, "generator": torch.Generator(), "deploy_pi": True, "args": args}
+def make_actor(behavior, q_network, confidence, p, greedy: bool):
+    """act(obs [M, E, dim], u) -> actions [M, E] for evaluation: pi's argmax, or a draw of pi with the uniforms u;
+    state: n_updates, unit [M], pessimism [M, 1] (the deployed levels), deploy_pi [M] (False: beta)."""
+    state = {"n_updates": 0, "unit": np.ones(len(p.mu)), "pessimism": p.pessimism, "deploy_pi": np.ones(len(p.mu), bool)}
 
-    def act(obs: np.ndarray) -> np.ndarray:
-        o = torch.from_numpy(obs)
-        beta = behavior(o)
-        pi = policy_probs(o, beta, q_network, confidence, state["args"], state["n_updates"],
-                          state["unit"]) if state["deploy_pi"] else beta
-        return pi.argmax(1).numpy() if greedy else torch.multinomial(pi, 1, generator=state["generator"]).squeeze(1).numpy()
+    def act(obs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        beta = behavior(obs).numpy()
+        pi = policy_probs(obs, beta, q_network, confidence, p, state["pessimism"], state["n_updates"], state["unit"])
+        # beta where pi is not deployed, and for a diverged member (NaN; its run is dropped)
+        pi = torch.from_numpy(np.where(state["deploy_pi"][:, None, None] & np.isfinite(pi), pi, beta))
+        return pi.argmax(-1) if greedy else common.sample(pi, u.double())
 
     return act, state
 
 
 def load_policy(path: str, greedy: bool = False, eval_seed: int = 10_000):
-    """A saved policy (--eval-checkpoint, certify.py): checkpoint, act(obs), probs(obs, beta) -> pi(.|s), critic Q(s, .)."""
+    """A saved policy (--eval-checkpoint, certify.py): checkpoint, act(obs, u), probs(obs, beta) -> pi(.|s), critic
+    Q(s, .), on observations [1, N, dim]."""
     ckpt = load_checkpoint(path, Path(__file__).stem, dict(q_network=dict, behavior=dict, args=dict, n_updates=int,
                                                            advantage_unit=float, deploy_pi=bool, deploy_pessimism=float))
     saved = common.saved_args(ckpt, Args, check_args, path)  # the policy's own settings; evaluation's from the flags
@@ -215,125 +225,136 @@ def load_policy(path: str, greedy: bool = False, eval_seed: int = 10_000):
     behavior = common.behavior_from_checkpoint(ckpt, path)
     q_network = QNetwork(ckpt["obs_dim"], ckpt["n_actions"])
     common.load_weights(path, q_network, ckpt["q_network"])
-    confidence = load_confidence(ckpt, saved, path)
-    act, state = make_actor(behavior, q_network, confidence, saved, greedy)
-    state.update(n_updates=ckpt["n_updates"], unit=ckpt["advantage_unit"], deploy_pi=ckpt["deploy_pi"],
-                 args=replace(saved, pessimism=ckpt["deploy_pessimism"]))  # the level deployed when saved
-    state["generator"].manual_seed(eval_seed + ckpt["n_updates"])  # the run's own evaluation at that point
+    q, p = common.Stack([q_network.net]), common.columns([saved], *FLAGS)
+    confidence = ConstantConfidence(p.lam, ckpt["n_actions"])
+    act, state = make_actor(lambda obs: behavior(obs[0])[None], q, confidence, p, greedy)
+    state.update(n_updates=ckpt["n_updates"], unit=np.array([ckpt["advantage_unit"]]), deploy_pi=np.array([ckpt[
+        "deploy_pi"]]), pessimism=np.array([[ckpt["deploy_pessimism"]]]))  # the level deployed when saved
 
-    def probs(obs: np.ndarray, beta: np.ndarray) -> np.ndarray:
-        pi = policy_probs(torch.from_numpy(obs), torch.from_numpy(beta), q_network, confidence, state["args"],
-                          state["n_updates"], state["unit"]).numpy() if state["deploy_pi"] else beta
-        return common.one_hot(pi.argmax(1), ckpt["n_actions"]) if greedy else pi
+    def probs(obs, beta: np.ndarray) -> np.ndarray:
+        pi = policy_probs(torch.as_tensor(obs), beta, q, confidence, p, state["pessimism"], state["n_updates"],
+                          state["unit"]) if state["deploy_pi"][0] else beta
+        return common.one_hot(pi.argmax(-1), ckpt["n_actions"]) if greedy else pi
 
-    return ckpt, act, probs, common.q_function(q_network)
+    return ckpt, act, probs, common.q_function(q)
 
 
 def run_checkpoint(args: Args) -> None:
     ckpt, act, _, _ = load_policy(args.eval_checkpoint, args.eval_greedy, args.eval_seed)
     common.evaluate_checkpoint(args.eval_checkpoint, act, ckpt["env_id"], args.eval_episodes, args.eval_seed,
-                               "" if ckpt["deploy_pi"] else " (beta: pi was not certified when saved)")
+                               "" if ckpt["deploy_pi"] else " (beta: pi was not certified when saved)", ckpt["n_updates"])
 
 
 def main(args: Args) -> None:
-    common.main(args, check_args, train, run_checkpoint, behavior_network=True)
+    common.main(args, check_args, train, run_checkpoint, behavior_network=True, member_flags=MEMBER_FLAGS)
+
+
+def deploy(runs, step, obs, q_network, confidence, p, unit, levels, certs):
+    """Departure 11: per member, the batch's improvement certificate picks the deployed pessimism level among
+    --deploy-pessimism (members sharing a dataset are evaluated together). Returns pessimism [M, 1], deploy_pi [M]
+    and each member's certificate (empty without one)."""
+    pessimism, deploy_pi, certificates = p.pessimism.copy(), np.ones(runs.M, bool), [{} for _ in range(runs.M)]
+    for key, (cert, z, members) in certs.items():
+        members = [m for m in members if runs.alive[m]]
+        if cert is None or not members:
+            continue
+        rows = obs[runs.rows(members[0])][cert["rows"]]
+        rows, beta = rows.expand(len(members), *rows.shape), np.broadcast_to(cert["beta"], (len(members), *cert["beta"].shape))
+        sub, q_sub, confidence_sub = common.columns([runs.args[m] for m in members], *FLAGS), q_network.select(
+            members), confidence.select(members)
+        q_batch = common.q_function(q_sub)(rows)
+        pis = [policy_probs(rows, beta, q_sub, confidence_sub, sub, np.full_like(sub.pessimism, level), step,
+                            unit[members]) for level in levels]
+        for i, m in enumerate(members):
+            level, certificates[m] = common.choose_level([pi[i] for pi in pis], q_batch[i], cert, z)
+            pessimism[m] = levels[level]
+            deploy_pi[m] = not runs.args[m].safety_test or certificates[m].get("certified", 0.0) == 1.0
+    return pessimism, deploy_pi, certificates
 
 
 # ---- Training
-def train(args: Args, data: dict, dataset_path: Path, run_dir: Path, writer, obs_dim: int, n_actions: int) -> None:
+def train(runs: common.Members) -> None:
     # --- setup ---
-    torch.manual_seed(args.seed)
-    generator = torch.Generator().manual_seed(args.seed)
-    obs = torch.as_tensor(data["observations"])
-    actions_np = data["actions"]
-    bootstrap = args.gamma * (1.0 - data["terminals"].astype(np.float32))  # timeouts are not terminal: bootstrapped
+    first, M, B = runs.first, runs.M, runs.first.batch_size
+    p = common.columns(runs.args, *FLAGS)
+    obs, next_obs, rewards = runs.tensor("observations"), runs.tensor("next_observations"), runs.tensor("rewards")
+    actions_np = runs.tensor("actions").numpy()
+    gamma32, not_done = torch.from_numpy(p.gamma.astype(np.float32)), 1.0 - runs.tensor("terminals").float()  # timeouts
+    # are not terminal: bootstrapped
     # beta in float64, renormalised: sum_a (rho - beta) must be 0 to ~1e-16 for the equality constraint
-    behavior_probs = torch.as_tensor(data["behavior_probs"], dtype=torch.float64)
-    behavior_probs /= behavior_probs.sum(1, keepdim=True)
-    beta_all = behavior_probs.numpy()
-    next_obs, next_beta = torch.as_tensor(data["next_observations"]), data["next_behavior_probs"]
-    rewards, bootstrap = torch.as_tensor(data["rewards"]), torch.as_tensor(bootstrap)
-    behavior = common.behavior_policy(data)
-    (cert, z), levels = common.deployment_certificate(args, data, beta_all, behavior), common.deploy_levels(args)
-    cert_obs, cert_beta = (obs[cert["rows"]], behavior_probs[cert["rows"]]) if cert else (None, None)
-    certificate = {}
+    beta_all = runs.tensor("behavior_probs").double().numpy()
+    beta_all /= beta_all.sum(1, keepdims=True)
+    log_beta_all, sqrt_beta_all = log_probs(beta_all), sqrt_floored(beta_all)  # once, not per update
+    next_beta = runs.tensor("next_behavior_probs")
+    mu32 = torch.from_numpy(p.mu.astype(np.float32))
+    certs = {}  # per distinct dataset: its certificate data, z and members
+    for m, a in enumerate(runs.args):
+        if a.epsilon not in certs:
+            rows = beta_all[runs.rows(m)]
+            certs[a.epsilon] = (*common.deployment_certificate(a, runs.data[m], rows, common.behavior_policy(runs.data[m])), [])
+        certs[a.epsilon][2].append(m)
+    levels = common.deploy_levels(first)
 
-    q_network = QNetwork(obs_dim, n_actions)
-    target_network = QNetwork(obs_dim, n_actions)
-    target_network.load_state_dict(q_network.state_dict())
-    optimizer = torch.optim.Adam(q_network.parameters(), lr=args.learning_rate, fused=True)
-    confidence = load_confidence({"n_actions": n_actions}, args)
-    eval_envs = common.make_eval_envs(args)
-    act, actor_state = make_actor(behavior, q_network, confidence, args, args.eval_greedy)
-    log = Evaluations(args, writer, data)
+    q_network = common.Stack(*runs.build(lambda: [QNetwork(runs.obs_dim, runs.n_actions).net]))
+    confidence = ConstantConfidence(p.lam, runs.n_actions)
+    target_network = q_network.copy()
+    critic_optimizer = common.Adam(q_network, runs.column("learning_rate"))
+    tau, period = runs.column("tau"), runs.column("target_update_frequency", torch.long)
+    act, actor_state = make_actor(runs.behavior(), q_network, confidence, p, first.eval_greedy)
+    certificates, unit = [{} for _ in range(M)], None
 
-    for step in range(1, args.total_steps + 1):
-        # --- update: critic (Algorithm 1, line 6) ---
-        idx = torch.randint(len(actions_np), (args.batch_size,), generator=generator).numpy()
-        ti = torch.from_numpy(idx)
-        s, next_s, r, boot = obs[ti], next_obs[ti], rewards[ti], bootstrap[ti]
+    for step in range(1, first.total_steps + 1):
+        # --- update: critic target and W (Algorithm 1, line 6) ---
+        idx = runs.minibatch(step)  # [M, batch]
+        ix = idx.numpy()
+        s = obs[idx]
         with torch.no_grad():
-            next_q = target_network(next_s).numpy()
-        next_v = mixed_value(next_q, next_beta[idx], args.mu)
-        td_target = torch.addcmul(r, torch.from_numpy(next_v), boot)  # r + gamma (1 - terminal) V(s')
+            next_q = target_network(next_obs[idx])
+            next_v = mixed_value(next_q, next_beta[idx], mu32, next_q.max(-1).values)
+        td_target = torch.addcmul(rewards[idx], next_v, gamma32 * not_done[idx])  # r + gamma (1 - terminal) V(s')
         q_all = q_network(s)
         q32 = q_all.detach().numpy()
-        if not np.isfinite(q32).all():  # stop at once: a diverged critic's values would poison every later step
-            fail(f"training diverged: the critic's values are NaN or inf after {step - 1} updates; try a lower --learning-rate")
-        q_grad, td_error = critic_output_grad(q32, actions_np[idx], td_target.numpy())
+        for m in np.flatnonzero(~np.isfinite(q32).all((1, 2))):  # a diverged critic's values would poison the solver
+            if runs.alive[m]:
+                runs.drop(m, f"training diverged: the critic's values are NaN or inf after {step - 1} updates; try a "
+                             "lower --learning-rate")
+        q_grad, td_error = critic_output_grad(q32, actions_np[ix], td_target.numpy())
         q_np = q32.astype(np.float64)
         q_max = q_np.max(-1)
-        unit = advantage_unit(q_np, q_max) if step == 1 else (1.0 - UNIT_RATE) * unit + UNIT_RATE * advantage_unit(q_np, q_max)  # dep. 5
-
-        optimizer.zero_grad()
+        batch_unit = advantage_unit(q_np, q_max)  # departure 5
+        unit = batch_unit if step == 1 else (1.0 - UNIT_RATE) * unit + UNIT_RATE * batch_unit
         q_all.backward(torch.from_numpy(q_grad))
-        optimizer.step()
-        if step % args.target_update_frequency == 0:
-            with torch.no_grad():
-                for p, tp in zip(q_network.parameters(), target_network.parameters()):
-                    tp.lerp_(p, args.tau)
+        critic_optimizer.step()
+        common.soft_update(step, target_network, q_network, period, tau)
 
         # --- log ---
-        if writer and step % 100 == 0:
-            writer.add_scalar("losses/td_loss", float(np.square(td_error, dtype=np.float64).mean()), step)
-            writer.add_scalar("losses/q_values", float(q32[np.arange(len(idx)), actions_np[idx]].mean()), step)
-            writer.add_scalar("confidence/advantage_unit", unit, step)
+        runs.log(step, {"losses/td_loss": np.square(td_error, dtype=np.float64).mean(1),
+                        "losses/q_values": np.take_along_axis(q32, actions_np[ix][..., None], -1).mean((1, 2)),
+                        "confidence/advantage_unit": unit})
 
         # --- evaluate ---
-        if log.due(step):
-            log.pause()
-            check_finite(step, q_network)
-            actor_state["n_updates"], actor_state["unit"] = step, unit
-            level = 0
-            if cert:  # departure 11: the batch's improvement certificate picks the deployed pessimism level
-                with torch.no_grad():
-                    q_batch = q_network(cert_obs).double().numpy()
-                pis = [policy_probs(cert_obs, cert_beta, q_network, confidence, replace(args, pessimism=p), step,
-                                    unit).numpy() for p in levels]
-                level, certificate = common.choose_level(pis, q_batch, cert, z)
-            actor_state["args"] = replace(args, pessimism=levels[level])
-            actor_state["deploy_pi"] = not args.safety_test or certificate.get("certified", 0.0) == 1.0
-            actor_state["generator"].manual_seed(args.eval_seed + step)
-            returns = evaluate(act, eval_envs, args.eval_seed) if eval_envs else None  # None: the certificate scores
-            log.record(step, returns, deployed="pi" if actor_state["deploy_pi"] else "beta",
-                       pessimism=levels[level], **certificate)
-            if writer:
-                writer.add_scalar("charts/deployed_pi", float(actor_state["deploy_pi"]), step)
-                writer.add_scalar("charts/deployed_pessimism", levels[level], step)
-                for key in ("certificate", "certificate_lcb"):
-                    if key in certificate:
-                        writer.add_scalar(f"losses/{key}", certificate[key], step)
+        if runs.due(step):
+            runs.pause()
+            pessimism, deploy_pi, certificates = deploy(runs, step, obs, q_network, confidence, p, unit, levels, certs)
+            actor_state.update(n_updates=step, unit=unit, pessimism=pessimism, deploy_pi=deploy_pi)
+            runs.evaluate(step, [q_network], act, extra=[
+                {"deployed": "pi" if deploy_pi[m] else "beta", "pessimism": float(pessimism[m, 0]), **certificates[m]}
+                for m in range(M)])
+            runs.log(step, {"charts/deployed_pi": deploy_pi, "charts/deployed_pessimism": pessimism[:, 0],
+                            **{f"losses/{k}": [c.get(k, np.nan) for c in certificates] for k in ("certificate",
+                               "certificate_lcb") if all(k in c for c in certificates)}}, every=1)
 
     # --- finish ---
-    extra = {**certificate, "deployed_pi": float(actor_state["deploy_pi"]),  # the last evaluation's
-             "deployed_pessimism": actor_state["args"].pessimism}
-    log.finish("brpo_c", data, dataset_path, run_dir, extra, {
-        "obs_dim": obs_dim, "n_actions": n_actions, "q_network": q_network.state_dict(),
-        "n_updates": args.total_steps, **common.behavior_spec(data),
-        "deploy_pi": actor_state["deploy_pi"], "deploy_pessimism": actor_state["args"].pessimism,
-        "advantage_unit": unit})
-    common.report_certificate(certificate, cert and cert["n_episodes"], args, actor_state["deploy_pi"],
-                              actor_state["args"].pessimism)
+    runs.finish("brpo_c", lambda m: {**certificates[m], "deployed_pi": float(actor_state["deploy_pi"][m]),  # the last
+                                   "deployed_pessimism": float(actor_state["pessimism"][m, 0])}, lambda m: {
+        "obs_dim": runs.obs_dim, "n_actions": runs.n_actions, "q_network": q_network.state_dict(m, "net."),
+        "n_updates": first.total_steps,
+        **common.behavior_spec(runs.data[m]), "deploy_pi": bool(actor_state["deploy_pi"][m]),
+        "deploy_pessimism": float(actor_state["pessimism"][m, 0]), "advantage_unit": float(unit[m])})
+    for m in range(M):
+        if runs.alive[m]:
+            common.report_certificate(certificates[m], certs[runs.args[m].epsilon][0] and certs[runs.args[m].epsilon][0][
+                "n_episodes"], runs.args[m], actor_state["deploy_pi"][m], float(actor_state["pessimism"][m, 0]))
 
 
 if __name__ == "__main__":

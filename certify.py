@@ -82,9 +82,9 @@ def main(args: Args) -> None:
     cert, reason = common.certificate_data(data, beta, gamma, behavior)
     if reason:
         fail(f"dataset {dataset_path} cannot certify: {reason}")
-    obs = data["observations"][cert["rows"]]
-    pi = probs(obs, cert["beta"])
-    q = q_function(obs) if q_function else cert["q_b"]
+    obs = torch.from_numpy(data["observations"][cert["rows"]])[None]  # the policy as one member: [1, N, dim]
+    pi = probs(obs, cert["beta"][None])[0]
+    q = q_function(obs)[0] if q_function else cert["q_b"]
     if not (np.isfinite(pi).all() and np.isfinite(q).all()):
         fail(f"checkpoint {args.checkpoint} gives NaN or inf probabilities or values on the batch's states")
     z = statistics.NormalDist().inv_cdf(args.certificate_confidence)

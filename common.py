@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import io
+import itertools
 import json
 import math
 import os
@@ -21,6 +22,7 @@ import time
 import warnings
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Optional
 
 import gymnasium as gym
@@ -47,6 +49,14 @@ class RunArgs:
     """exploration level of the behaviour policy that collected the dataset"""
     seed: int = 1
     """seed of network initialisation and minibatch sampling"""
+    seeds: Optional[tuple[int, ...]] = None
+    """train these seeds as members of one process, each the same run as --seed alone would be (default: --seed)"""
+    epsilons: Optional[tuple[float, ...]] = None
+    """train on these datasets of the task (datasets/<env-id>_eps<e>.npz) as members of one process (default:
+    --epsilon)"""
+    sweep: tuple[str, ...] = ()
+    """FLAG=V1,V2,...: values of a hyperparameter trained as members, every combination (e.g. learning-rate=1e-3,3e-4;
+    which flags: the script's docstring)"""
     dataset_path: Optional[str] = None
     """batch dataset (.npz from collect_data.py or import_data.py); default datasets/<env-id>_eps<epsilon>.npz, created
     if missing"""
@@ -65,9 +75,12 @@ class RunArgs:
     runs_dir: str = "runs"
     """directory holding one sub-directory per run"""
     run_name: Optional[str] = None
-    """sub-directory name of this run; default <env>__eps<eps>__<exp>__<seed>__<time>"""
+    """sub-directory of this run under --runs-dir (may hold '/'); default <env>__eps<eps>__<exp>__<seed>__<time>; with
+    members, a template naming each: {env_id} {epsilon} {seed} {exp_name} and the swept flags, e.g. 'eps{epsilon}/s{seed}'"""
     overwrite: bool = False
     """replace a finished run of the same --run-name (without it, such a run is refused)"""
+    skip_finished: bool = False
+    """skip the members whose run directory holds a finished run (resuming a grid) instead of refusing them"""
     tensorboard: bool = True
     """write TensorBoard curves to runs/<run-name>/"""
     save_model: bool = False
@@ -126,12 +139,12 @@ def check_args(args, allow_inf: tuple = ()) -> None:
     for name in ("seed", "eval_seed"):
         if not 0 <= getattr(args, name) < 2**32:
             fail(f"{flag(name)} must lie in [0, 2**32), got {getattr(args, name)}")
-    for name in ("run_name", "exp_name"):  # a run directory is <runs-dir>/<one name>, never outside it
-        value = getattr(args, name)
-        if value is not None and (value in ("", ".", "..") or any(c in value for c in "/\\") or not value.isprintable()
+    for name in ("run_name", "exp_name"):  # a run directory is <runs-dir>/<relative path>, never outside it
+        value, parts = getattr(args, name), (getattr(args, name) or "").split("/") if name == "run_name" else [getattr(args, name)]
+        if value is not None and (any(v in ("", ".", "..") or "\\" in v or "/" in v for v in parts) or not value.isprintable()
                                   or len(value.encode()) > 200):
-            fail(f"{flag(name)} must be a single directory name of at most 200 printable characters (no "
-                 f"'/', not '..'), got {value!r}")
+            fail(f"{flag(name)} must be " + ("a relative path of directory names" if name == "run_name" else
+                 "a single directory name") + f" of at most 200 printable characters (no '..'), got {value!r}")
     for name in ("dataset_path", "eval_checkpoint", "runs_dir"):
         if getattr(args, name) == "":
             fail(f"{flag(name)} must not be empty")
@@ -142,8 +155,12 @@ def check_args(args, allow_inf: tuple = ()) -> None:
             fail(f"{flag(name)} must be positive, got {getattr(args, name)}")
     if args.eval_episodes > 10_000:  # one simulator each, side by side
         fail(f"--eval-episodes must be at most 10000, got {args.eval_episodes}")
-    if not 0.0 <= args.epsilon <= 1.0:
-        fail(f"--epsilon must lie in [0, 1], got {args.epsilon}")
+    for eps in (args.epsilon, *(args.epsilons or ())):
+        if not 0.0 <= eps <= 1.0:
+            fail(f"--epsilon must lie in [0, 1], got {eps}")
+    for seed in args.seeds or ():
+        require(0 <= seed < 2**32, f"--seeds must lie in [0, 2**32), got {seed}")
+    require(args.seeds != () and args.epsilons != (), "--seeds and --epsilons need at least one value")
     if not args.learning_rate > 0:
         fail(f"--learning-rate must be positive, got {args.learning_rate}")
     if hasattr(args, "gamma") and not 0.0 <= args.gamma < 1.0:
@@ -340,22 +357,6 @@ def read_behavior_kind(d: dict, version: int, path: Path, how: str) -> dict:
     return {"behavior_kind": kind, "behavior_temperature": temperature, "behavior_floor": floor}
 
 
-def evaluate(act, envs: list, seed: int) -> np.ndarray:
-    """Undiscounted return of one episode per env; all episodes advance together so the policy
-    runs one batched forward per time step. Episode i always starts from reset(seed=seed + i)."""
-    if hasattr(act, "reset"):
-        act.reset()
-    obs = np.stack([env.reset(seed=seed + i)[0] for i, env in enumerate(envs)]).astype(np.float32)
-    returns, active = np.zeros(len(envs)), np.ones(len(envs), dtype=bool)
-    while active.any():
-        idx = np.flatnonzero(active)
-        for j, a in zip(idx, act(obs[idx]).tolist()):
-            o, r, term, trunc, _ = envs[j].step(a)
-            obs[j], returns[j] = o, returns[j] + r
-            active[j] = not (term or trunc)
-    return returns
-
-
 def write_atomic(path: Path, data: bytes) -> None:
     """The file appears whole (temporary file, then rename) or not at all."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
@@ -529,144 +530,27 @@ def one_hot(actions: np.ndarray, n_actions: int) -> np.ndarray:
 
 
 def q_function(network):
-    """obs (numpy float32) -> the network's first output Q(s, .) as float64 numpy, without gradient."""
-    def q(obs: np.ndarray) -> np.ndarray:
+    """obs [M, N, dim] -> the network's first output Q(s, .) as float64 numpy [M, N, |A|], without gradient."""
+    def q(obs) -> np.ndarray:
         with torch.no_grad():
-            out = network(torch.from_numpy(obs))
+            out = network(torch.as_tensor(obs))
             return (out[0] if isinstance(out, tuple) else out).double().numpy()
     return q
 
 
-def evaluate_checkpoint(path: str, act, env_id: str, episodes: int, seed: int, note: str = "") -> None:
+def evaluate_checkpoint(path: str, act, env_id: str, episodes: int, seed: int, note: str = "", n_updates: int = 0) -> None:
+    """Evaluate a saved policy like its run did after n_updates updates (the same start states and noise)."""
     require(has_simulator(env_id), f"{env_id} has no simulator here, so {path} cannot be evaluated in it; its "
             f"improvement certificate: python certify.py {path}")
-    envs = [make_env(env_id) for _ in range(episodes)]
     try:
-        returns = evaluate(act, envs, seed)
+        returns = Simulators(env_id, 1, episodes, seed).run(act, seed + n_updates)[0]
     except (RuntimeError, ValueError, OverflowError) as e:  # weights that load but give no policy (inf logits)
         fail(f"checkpoint {path} cannot be evaluated: {' '.join(str(e).split())}")
     print(f"{path}: {env_id} return {returns.mean():.2f} +- {returns.std():.2f} over {len(returns)} episodes{note}")
 
 
-def check_finite(step: int, *networks: nn.Module) -> None:
-    """A run whose weights became NaN or inf fails: its scores would mean nothing."""
-    if not all(torch.isfinite(p).all() for net in networks for p in net.parameters()):
-        fail(f"training diverged: the weights are NaN or inf after {step} updates; try a lower --learning-rate")
-
-
 def has_simulator(env_id: str) -> bool:
     return env_id in gym.envs.registry
-
-
-def make_eval_envs(args) -> list:
-    """One simulator per evaluation episode; none for an imported dataset of a task not installed here."""
-    return [make_env(args.env_id) for _ in range(args.eval_episodes)] if has_simulator(args.env_id) else []
-
-
-class Evaluations:
-    """The evaluation schedule of a run: the clock split between training and evaluation, one record per
-    evaluation (stdout, TensorBoard), and the run's outputs at the end (result.json last). Without a simulator
-    (an imported dataset of a task not installed here) an evaluation is the batch's improvement certificate of the
-    policy over beta, and the run's score is that certificate (result.json: "score")."""
-
-    def __init__(self, args, writer, data: dict):
-        self.args, self.writer, self.records, self.data = args, writer, [], data
-        self.simulator = has_simulator(args.env_id)
-        self.train_time, self.eval_time, self.start = 0.0, 0.0, time.time()
-        self.block_start = time.perf_counter()
-        if not self.simulator:
-            beta = data["behavior_probs"].astype(np.float64)
-            self.cert, reason = certificate_data(data, beta / beta.sum(1, keepdims=True),
-                                                 getattr(args, "certificate_gamma", 0.99), behavior_policy(data))
-            require(not reason, f"{args.env_id} has no simulator here and the batch cannot certify, so the run has no "
-                    f"score: {reason}")
-            self.cert_obs = data["observations"][self.cert["rows"]]
-
-    def evaluate(self, step: int, act, envs: list, probs, q=None) -> None:
-        """In the simulator (envs), or by the certificate of probs(obs, beta) -> pi(.|s) with the critic q(obs)."""
-        if envs:
-            return self.record(step, evaluate(act, envs, self.args.eval_seed))
-        pi, cert = probs(self.cert_obs, self.cert["beta"]), self.cert
-        z = statistics.NormalDist().inv_cdf(getattr(self.args, "certificate_confidence", 0.95))
-        c = improvement_certificate(pi, q(self.cert_obs) if q else cert["q_b"], cert, z)
-        self.record(step, None, **c, tv_to_beta=tv_to_beta(pi, cert["beta"]))
-
-    def due(self, step: int) -> bool:
-        return step % self.args.eval_frequency == 0 or step == self.args.total_steps
-
-    def pause(self) -> None:
-        """Training stops here: what follows until record() counts as evaluation time."""
-        self.now = time.perf_counter()
-        self.train_time += self.now - self.block_start
-
-    def record(self, step: int, returns: Optional[np.ndarray], **extra) -> None:
-        """returns: of the evaluation episodes; None without a simulator (extra then holds the certificate)."""
-        self.block_start = time.perf_counter()
-        self.eval_time += self.block_start - self.now
-        sps = step / self.train_time
-        if returns is None:
-            self.records.append({"step": step, **extra})
-            print(f"step={step} improvement_certificate={extra['certificate']:.3g} +- {extra['certificate_se']:.3g} "
-                  f"(no simulator) SPS={sps:.0f}", flush=True)
-        else:
-            self.records.append({"step": step, "return_mean": float(returns.mean()),
-                                 "return_std": float(returns.std()), **extra})
-            print(f"step={step} eval_return={returns.mean():.1f} +- {returns.std():.1f} SPS={sps:.0f}", flush=True)
-        if self.writer:
-            if returns is None:
-                self.writer.add_scalar("eval/certificate", extra["certificate"], step)
-            else:
-                self.writer.add_scalar("eval/episodic_return", returns.mean(), step)
-            self.writer.add_scalar("charts/SPS", sps, step)
-
-    def finish(self, algorithm: str, data: dict, dataset_path: Path, run_dir: Path, extra: dict, model: dict) -> dict:
-        """Write model.pt (with --save-model) and result.json (last: a directory with it holds a finished run)."""
-        args = self.args
-        # without a simulator an evaluation that deployed beta (brpo's safety test) scores beta's gain over itself: 0
-        final_score = float(np.mean([e["return_mean"] if self.simulator else e["certificate"]
-                                     if e.get("deployed", "pi") == "pi" else 0.0 for e in self.records[-10:]]))
-        result = {
-            "algorithm": algorithm, "env_id": args.env_id, "epsilon": args.epsilon, "seed": args.seed,
-            "args": asdict(args), "evaluations": self.records, "final_score": final_score,
-            "score": "return" if self.simulator else "improvement_certificate",
-            "behavior_return": float(data["behavior_return"]), "wall_time": time.time() - self.start,
-            "train_time": self.train_time, "eval_time": self.eval_time,
-            "updates_per_second": args.total_steps / self.train_time, "dataset_path": str(dataset_path),
-            "format_version": RESULT_FORMAT_VERSION, "extra": extra,
-        }
-        if self.writer:
-            self.writer.add_scalar("eval/final_score", final_score, args.total_steps)
-            self.writer.flush()  # raises what the writer's thread met (e.g. a full disk)
-            self.writer.close()
-        if args.save_model:
-            save_model_atomic(run_dir / "model.pt", {"algorithm": algorithm, "env_id": args.env_id,
-                                                     "args": asdict(args), **model})
-        write_json_atomic(run_dir / "result.json", result)
-        if self.simulator:
-            print(f"final score {final_score:.1f} (behaviour {result['behavior_return']:.1f}); results in {run_dir}")
-        else:
-            print(f"final score: improvement certificate {final_score:.4g} over beta (no simulator: the batch's "
-                  f"first-order estimate of the gain, mean of the last 10 evaluations); results in {run_dir}")
-        return result
-
-
-def main(args, check, train, run_checkpoint, behavior_network: bool = False) -> None:
-    """Check the flags, then evaluate a checkpoint, or validate the dataset and train in a fresh run directory."""
-    check(args)
-    torch.set_num_threads(args.threads)
-    if args.eval_checkpoint:
-        return run_checkpoint(args)
-    if has_simulator(args.env_id) or not args.dataset_path:
-        env = make_env(args.env_id)
-        obs_dim, n_actions = env.observation_space.shape[0], int(env.action_space.n)
-    else:  # an imported dataset of a task not installed here: its sizes, and the certificate as the score
-        obs_dim, n_actions = dataset_sizes(args.dataset_path)
-        print(f"{args.env_id} is not an installed gymnasium task: no simulator; every evaluation is the batch's "
-              "improvement certificate of the policy over beta", flush=True)
-        behavior_network = True  # the certificate needs the behaviour model
-    dataset_path, data = load_dataset(args, obs_dim, n_actions, behavior_network)
-    with run_directory(args) as (run_dir, writer):  # everything is validated: only now create outputs
-        train(args, data, dataset_path, run_dir, writer, obs_dim, n_actions)
 
 
 def dataset_sizes(path: str) -> tuple[int, int]:
@@ -694,6 +578,428 @@ def cli(args_type, main) -> None:
     except KeyboardInterrupt:
         print(f"{Path(sys.argv[0]).name}: interrupted; nothing written", file=sys.stderr)
         raise SystemExit(130)
+
+
+# ---------------------------------------------------------------------------------------------
+# Members: many runs in one process
+# ---------------------------------------------------------------------------------------------
+# Runs that differ only in seed, dataset or hyperparameter values are trained side by side as the members of one
+# process: every network holds one copy per member, each layer's weights stacked [M, in, out] (CORL's
+# VectorizedLinear), so one batched matmul runs a layer for all members. A member is the same algorithm as a single
+# run: its own initial weights (built after torch.manual_seed(seed), like nn.Linear) and its own minibatch stream;
+# no computation mixes members. A single run is the process with one member.
+SHARED_MEMBER_FLAGS = ("learning_rate", "gamma", "tau", "target_update_frequency")
+
+
+class Stack:
+    """K networks of one architecture (nn.Linear layers, ReLU between them): layer l's weight [K, in, out] and bias
+    [K, 1, out] are views into one tensor `flat` [K, P], so that one Adam step updates every network. Network k
+    computes exactly what the nn.Sequential it was built from computes. __call__(x [K, B, in]) -> [K, B, out]."""
+
+    def __init__(self, nets: list, output=None):
+        self.output = output  # applied to the last layer's output (e.g. torch.sigmoid), if given
+        linear = [[m for m in net if isinstance(m, nn.Linear)] for net in nets]
+        self.sizes = [(m.in_features, m.out_features) for m in linear[0]]
+        self.flat = torch.stack([torch.cat([t for m in ls for t in (m.weight.detach().T.reshape(-1), m.bias.detach())])
+                                 for ls in linear]).requires_grad_()
+        self.layers = self._views()
+
+    def _views(self) -> list:
+        layers, o = [], 0
+        for n_in, n_out in self.sizes:  # views made once: autograd carries each step's gradient into flat.grad
+            w = self.flat[:, o:o + n_in * n_out].unflatten(1, (n_in, n_out))
+            layers.append((w, self.flat[:, o + n_in * n_out:o + n_in * n_out + n_out].unsqueeze(1)))
+            o += n_in * n_out + n_out
+        return layers
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        for i, (w, b) in enumerate(self.layers):
+            x = torch.baddbmm(b, x, w)
+            if i < len(self.layers) - 1:
+                x = x.relu()
+        return self.output(x) if self.output else x
+
+    def copy(self) -> "Stack":
+        """A target network: the same weights, no gradient."""
+        return self.select(list(range(len(self.flat))))
+
+    def select(self, ks: list) -> "Stack":
+        """A copy of networks ks (no gradient), e.g. one member's networks for its final diagnostics."""
+        copy = object.__new__(Stack)
+        copy.sizes, copy.flat, copy.output = self.sizes, self.flat.detach()[ks].clone(), self.output
+        copy.layers = copy._views()
+        return copy
+
+    def state_dict(self, k: int, prefix: str = "") -> dict:
+        """Network k as the state_dict of the nn.Sequential it was built from (Linear layers at 0, 2, 4, ...)."""
+        out = {}
+        for i, (w, b) in enumerate(self.layers):
+            out[f"{prefix}{2 * i}.weight"] = w[k].detach().T.clone()
+            out[f"{prefix}{2 * i}.bias"] = b[k, 0].detach().clone()
+        return out
+
+
+class Adam:
+    """torch.optim.Adam's update (betas 0.9, 0.999, eps 1e-8) of a Stack, with each network's own learning rate
+    lr [K, 1]: one update for all members."""
+
+    def __init__(self, stack: Stack, lr: torch.Tensor):
+        self.flat, self.lr, self.t = stack.flat, lr, 0
+        self.m, self.v = torch.zeros_like(self.flat), torch.zeros_like(self.flat)
+
+    def step(self) -> None:
+        g, self.t = self.flat.grad, self.t + 1
+        self.m.lerp_(g, 0.1)
+        self.v.mul_(0.999).addcmul_(g, g, value=0.001)
+        denom = (self.v.sqrt() / math.sqrt(1.0 - 0.999 ** self.t)).add_(1e-8)
+        with torch.no_grad():
+            self.flat.addcdiv_(self.m * (self.lr / (1.0 - 0.9 ** self.t)), denom, value=-1.0)
+        self.flat.grad = None
+
+
+def soft_update(step: int, target: Stack, online: Stack, period: torch.Tensor, tau: torch.Tensor) -> None:
+    """target <- tau * online + (1 - tau) * target for the members whose --target-update-frequency divides step."""
+    due = step % period == 0
+    if due.any():
+        with torch.no_grad():
+            target.flat.lerp_(online.flat, tau * due)
+
+
+def sample(pi: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Actions drawn from pi [..., E, |A|] by inverting its CDF at the uniforms u [E]: episode e of every member uses
+    the same noise, so a member's evaluation does not depend on which other members share the process."""
+    return (pi.cumsum(-1) < u[:, None]).sum(-1).clamp_max(pi.shape[-1] - 1)
+
+
+class Simulators:
+    """copies x episodes simulators run side by side, one batched forward per time step for all of them; episode i
+    of every copy starts from env.reset(seed=seed + i). CartPole-v1 runs as gymnasium's vectorised CartPole, its
+    state set to those start states (the same dynamics in float64: the same returns); other tasks as one gymnasium
+    environment per episode."""
+
+    def __init__(self, env_id: str, copies: int, episodes: int, seed: int):
+        self.copies, self.episodes, n = copies, episodes, copies * episodes
+        self.vector = env_id == "CartPole-v1"
+        if self.vector:
+            env = make_env(env_id)
+            starts = []
+            for i in range(episodes):
+                env.reset(seed=seed + i)
+                starts.append(np.array(env.unwrapped.state, dtype=np.float64))
+            self.starts = np.tile(np.stack(starts, 1), (1, copies))  # [4, n], episode-major inside each copy
+            self.venv = gym.make_vec(env_id, num_envs=n, vectorization_mode="vector_entry_point").unwrapped
+        else:
+            self.envs, self.seed = [make_env(env_id) for _ in range(n)], seed
+
+    def run(self, act, noise_seed: int) -> np.ndarray:
+        """Undiscounted returns [copies, episodes] of act(obs [copies, episodes, dim], u [episodes]) -> actions
+        [copies, episodes]; u: this time step's uniforms, drawn from a generator seeded with noise_seed."""
+        n, generator = self.copies * self.episodes, torch.Generator().manual_seed(noise_seed)
+        if self.vector:
+            self.venv.reset()
+            self.venv.state, self.venv.steps = self.starts.copy(), np.zeros(n, dtype=np.int32)
+            self.venv.prev_done = np.zeros(n, dtype=bool)
+            obs = self.starts.T.astype(np.float32)
+        else:
+            obs = np.stack([env.reset(seed=self.seed + i % self.episodes)[0] for i, env in enumerate(self.envs)])
+            obs = obs.astype(np.float32)
+        returns, active = np.zeros(n), np.ones(n, dtype=bool)
+        while active.any():
+            u = torch.rand(self.episodes, generator=generator)
+            with torch.no_grad():
+                actions = act(torch.from_numpy(obs).view(self.copies, self.episodes, -1), u).reshape(-1).numpy()
+            if self.vector:
+                obs, reward, term, trunc, _ = self.venv.step(actions)
+                returns += reward * active
+                active &= ~(term | trunc)
+            else:
+                for j in np.flatnonzero(active):
+                    o, r, term, trunc, _ = self.envs[j].step(int(actions[j]))
+                    obs[j], returns[j], active[j] = o, returns[j] + r, not (term or trunc)
+        return returns.reshape(self.copies, self.episodes)
+
+
+def member_args(args, check, member_flags: tuple = ()) -> list:
+    """The runs of this process: every combination of --epsilons, --sweep values and --seeds (in that order), each
+    as the flags of the single run it is (validated by the script's check), with its own --run-name."""
+    allowed = tuple(f for f in (*SHARED_MEMBER_FLAGS, *member_flags) if hasattr(args, f))
+    sweep = {}
+    for spec in args.sweep:
+        name, _, values = spec.partition("=")
+        name = name.strip().lstrip("-").replace("-", "_")
+        require(name in allowed and values, f"--sweep {spec!r}: expected FLAG=V1,V2,... with FLAG one of "
+                f"{', '.join(flag(f)[2:] for f in allowed)}")
+        require(name not in sweep, f"--sweep names {flag(name)} twice")
+        kind = type(getattr(args, name))
+        try:
+            sweep[name] = list(dict.fromkeys(kind(v) for v in values.split(",")))
+        except ValueError:
+            fail(f"--sweep {spec!r}: {flag(name)} takes {kind.__name__} values")
+    runs, stamp = [], int(time.time())
+    for eps, combo, seed in itertools.product(args.epsilons or (args.epsilon,), itertools.product(*sweep.values()),
+                                              args.seeds or (args.seed,)):
+        values = dict(zip(sweep, combo))
+        a = replace(args, seed=seed, epsilon=eps, seeds=None, epsilons=None, sweep=(), **values)
+        text = {"env_id": a.env_id, "epsilon": format(eps, ".15g"), "seed": seed, "exp_name": a.exp_name,
+                **{k: format(v, ".15g") if isinstance(v, float) else v for k, v in values.items()}}
+        if args.run_name and (args.seeds or args.epsilons or sweep):
+            try:
+                a = replace(a, run_name=args.run_name.format(**text))
+            except (KeyError, IndexError, ValueError) as e:
+                fail(f"--run-name {args.run_name!r}: a template may name {{{'}, {'.join(text)}}}, not {e}")
+        elif not args.run_name:
+            config = "".join(f"__{k}={text[k]}" for k in values)
+            a = replace(a, run_name=f"{a.env_id}__eps{text['epsilon']}__{a.exp_name}{config}__{seed}__{stamp}")
+        check(a)
+        runs.append(a)
+    names = [a.run_name for a in runs]
+    require(len(set(names)) == len(names), f"--run-name {args.run_name!r} gives several members the same directory; "
+            "name {seed}" + (", {epsilon}" if args.epsilons else "") + "".join(f", {{{k}}}" for k in sweep) + " in it")
+    require(not (args.dataset_path and len({a.epsilon for a in runs}) > 1),
+            "--epsilons trains the default datasets of the task; --dataset-path names one dataset")
+    return runs
+
+
+def columns(runs: list, *names: str) -> SimpleNamespace:
+    """Flags that may differ between members (the runs' args) as numpy columns [M, 1]: float64, booleans as bool."""
+    return SimpleNamespace(**{n: np.array([[getattr(a, n)] for a in runs], dtype=bool if isinstance(
+        getattr(runs[0], n), bool) else np.float64) for n in names})
+
+
+class MemberBehavior:
+    """Member m's behaviour policy at its own states: obs [M, N, dim] -> beta [M, N, |A|] float64 (one forward per
+    distinct dataset)."""
+
+    def __init__(self, policies: list, keys: list):
+        self.policies, self.keys = policies, keys
+
+    def __call__(self, obs: torch.Tensor) -> torch.Tensor:
+        out, done = [None] * len(self.keys), {}
+        for m, key in enumerate(self.keys):
+            if key not in done:
+                members = [i for i, k in enumerate(self.keys) if k == key]
+                done[key] = self.policies[m](obs[members].reshape(-1, obs.shape[-1])).view(len(members), *obs.shape[1:-1], -1)
+                for j, i in enumerate(members):
+                    out[i] = done[key][j]
+        return torch.stack(out)
+
+
+class Members:
+    """The runs of one process, trained side by side: their flags, their datasets (concatenated: member m's rows
+    start at offsets[m]), minibatches, per-member hyperparameters as columns, the evaluation schedule and clock,
+    one record per evaluation (stdout, TensorBoard), and each run's outputs at the end (result.json last). A member
+    whose training diverges is dropped alone (one line, its directory removed); the others go on. Without a
+    simulator (an imported dataset of a task not installed here) an evaluation is the batch's improvement
+    certificate of the policy over beta, and the run's score is that certificate (result.json: "score")."""
+
+    def __init__(self, runs: list, datasets: dict, dirs: list, obs_dim: int, n_actions: int):
+        self.args, self.M, self.obs_dim, self.n_actions = runs, len(runs), obs_dim, n_actions
+        self.first = runs[0]
+        self.paths = [p for p, _ in (datasets[a.epsilon] for a in runs)]
+        self.data = [d for _, d in (datasets[a.epsilon] for a in runs)]
+        self.dirs, self.writers = [d for d, _ in dirs], [w for _, w in dirs]
+        self.records, self.alive = [[] for _ in runs], [True] * len(runs)
+        self.keys = list(datasets)  # the distinct datasets, concatenated once
+        sizes = {e: len(d["actions"]) for e, (_, d) in datasets.items()}
+        starts = dict(zip(self.keys, np.cumsum([0] + [sizes[e] for e in self.keys])[:-1].tolist()))
+        self.offsets = torch.tensor([starts[a.epsilon] for a in runs])[:, None]
+        self.generators = [torch.Generator().manual_seed(a.seed) for a in runs]
+        self.sizes = [sizes[a.epsilon] for a in runs]
+        self.chunk = None
+        self.simulator = has_simulator(self.first.env_id)
+        self.train_time, self.eval_time, self.start = 0.0, 0.0, time.time()
+        self.block_start, self.paused = time.perf_counter(), False
+        if self.simulator:
+            self.simulators = Simulators(self.first.env_id, self.M, self.first.eval_episodes, self.first.eval_seed)
+        else:  # one dataset for all members (member_args)
+            data = self.data[0]
+            beta = data["behavior_probs"].astype(np.float64)
+            self.cert, reason = certificate_data(data, beta / beta.sum(1, keepdims=True),
+                                                 getattr(self.first, "certificate_gamma", 0.99), behavior_policy(data))
+            require(not reason, f"{self.first.env_id} has no simulator here and the batch cannot certify, so the run "
+                    f"has no score: {reason}")
+            rows = torch.from_numpy(data["observations"][self.cert["rows"]])
+            self.cert_obs = rows.expand(self.M, *rows.shape)
+
+    def build(self, make) -> list:
+        """Every member's networks: make() -> list of networks, called after torch.manual_seed(member's seed) (the
+        initial weights of the single run with that seed); returns, per network of make(), the list over members."""
+        nets = []
+        for a in self.args:
+            torch.manual_seed(a.seed)
+            nets.append(make())
+        return [list(column) for column in zip(*nets)]
+
+    def tensor(self, key: str) -> torch.Tensor:
+        """The datasets' array `key`, concatenated in the order of self.offsets."""
+        data = {a.epsilon: d for a, d in zip(self.args, self.data)}
+        return torch.as_tensor(np.concatenate([data[e][key] for e in self.keys]))
+
+    def behavior(self) -> "MemberBehavior":
+        """beta(.|s) of every member's dataset at any states: obs [M, N, dim] -> [M, N, |A|] float64."""
+        return MemberBehavior([behavior_policy(d) for d in self.data], [a.epsilon for a in self.args])
+
+    def rows(self, m: int) -> slice:
+        """Member m's rows in the concatenated datasets (self.tensor)."""
+        return slice(int(self.offsets[m]), int(self.offsets[m]) + self.sizes[m])
+
+    def column(self, name: str, dtype=torch.float32) -> torch.Tensor:
+        """A flag's value per member, [M, 1]."""
+        return torch.tensor([getattr(a, name) for a in self.args], dtype=dtype)[:, None]
+
+    def minibatch(self, step: int) -> torch.Tensor:
+        """Rows [M, batch] of update `step` (from 1): member m's are torch.randint(n_m, (batch,)) from its generator,
+        the single run's stream (drawn 1,000 updates at a time: the same numbers), plus its offset."""
+        k = (step - 1) % 1000
+        if step == 1:  # the training clock starts at the first update (set-up is neither training nor evaluation)
+            self.block_start = time.perf_counter()
+        if k == 0:
+            b = self.first.batch_size
+            self.chunk = torch.stack([torch.randint(n, (1000, b), generator=g)
+                                      for n, g in zip(self.sizes, self.generators)], 1) + self.offsets
+        return self.chunk[k]
+
+    def due(self, step: int) -> bool:
+        return step % self.first.eval_frequency == 0 or step == self.first.total_steps
+
+    def log(self, step: int, scalars: dict, every: int = 100) -> None:
+        """TensorBoard scalars, name -> one value per member ([M] tensor or list), every `every` updates."""
+        if step % every == 0 and any(self.writers):
+            values = zip(*(torch.as_tensor(v).detach().double().tolist() for v in scalars.values()))
+            for m, (writer, row) in enumerate(zip(self.writers, values)):
+                for name, value in zip(scalars, row):
+                    if writer and self.alive[m]:
+                        writer.add_scalar(name, value, step)
+
+    def pause(self) -> None:
+        """Training stops here: what follows until the end of evaluate() counts as evaluation time."""
+        if not self.paused:
+            self.paused, self.now = True, time.perf_counter()
+            self.train_time += self.now - self.block_start
+
+    def evaluate(self, step: int, networks: list, act, probs=None, q=None, extra: Optional[list] = None) -> None:
+        """Stop the training clock, drop members whose weights are no longer finite, then evaluate every member in
+        the simulator (act(obs, u), Simulators.run), or by the certificate of probs(obs [M, N, dim], beta) -> pi
+        [M, N, |A|] with the critic q(obs) -> [M, N, |A|] (unless extra holds each member's certificate already).
+        extra: one dict per member, added to its record."""
+        self.pause()
+        finite = torch.stack([s.flat.view(self.M, -1).isfinite().all(1) for s in networks]).all(0)
+        for m in np.flatnonzero(~finite.numpy()):
+            if self.alive[m]:
+                self.drop(m, f"training diverged: the weights are NaN or inf after {step} updates; try a lower "
+                             "--learning-rate")
+        rows = [{"step": step, **(extra[m] if extra else {})} for m in range(self.M)]
+        if self.simulator:
+            returns = self.simulators.run(act, self.first.eval_seed + step)
+            for m, row in enumerate(rows):
+                row.update(return_mean=float(returns[m].mean()), return_std=float(returns[m].std()))
+        elif not all("certificate" in row for row in rows):
+            pi, c = probs(self.cert_obs, self.cert["beta"]), self.cert
+            critic = q(self.cert_obs) if q else np.broadcast_to(c["q_b"], pi.shape)
+            z = statistics.NormalDist().inv_cdf(getattr(self.first, "certificate_confidence", 0.95))
+            for m, row in enumerate(rows):
+                if self.alive[m]:
+                    row.update(**improvement_certificate(pi[m], critic[m], c, z), tv_to_beta=tv_to_beta(pi[m], c["beta"]))
+        self.block_start, self.paused = time.perf_counter(), False
+        self.eval_time += self.block_start - self.now
+        key, sps = "return_mean" if self.simulator else "certificate", step / self.train_time
+        for m, row in enumerate(rows):
+            if self.alive[m]:
+                self.records[m].append(row)
+                if self.writers[m]:
+                    self.writers[m].add_scalar("eval/episodic_return" if self.simulator else "eval/certificate",
+                                               row[key], step)
+                    self.writers[m].add_scalar("charts/SPS", sps, step)
+        scores = [row[key] for m, row in enumerate(rows) if self.alive[m]]
+        name = "eval_return" if self.simulator else "improvement_certificate"
+        if self.M == 1:
+            spread = rows[0]["return_std"] if self.simulator else rows[0]["certificate_se"]
+            print(f"step={step} {name}={scores[0]:.4g} +- {spread:.3g}" + ("" if self.simulator else " (no simulator)")
+                  + f" SPS={sps:.0f}", flush=True)
+        else:
+            print(f"step={step} {name} over {len(scores)} runs: mean {np.mean(scores):.4g}, min {min(scores):.4g}, max "
+                  f"{max(scores):.4g} SPS={sps:.0f} per run", flush=True)
+
+    def drop(self, m: int, reason: str) -> None:
+        """Member m fails alone: one line, its directory emptied; the others go on (if none is left, the process
+        fails)."""
+        self.alive[m] = False
+        if not any(self.alive):
+            fail(reason if self.M == 1 else f"every run failed; the last: {reason}")
+        print(f"{Path(sys.argv[0]).name}: error: run {self.dirs[m]}: {reason}; nothing written for it", file=sys.stderr,
+              flush=True)
+        with contextlib.suppress(Exception):
+            self.writers[m] and self.writers[m].close()
+        with contextlib.suppress(OSError):
+            remove_run_files(self.dirs[m])
+
+    def finish(self, algorithm: str, extra, model) -> None:
+        """Per member: model.pt (with --save-model) and result.json (last: a directory with it holds a finished run).
+        extra(m) -> the run's final diagnostics, model(m) -> its checkpoint's contents."""
+        for m, (args, records) in enumerate(zip(self.args, self.records)):
+            if not self.alive[m]:
+                continue
+            # without a simulator an evaluation that deployed beta (the safety test) scores beta's gain over itself: 0
+            final_score = float(np.mean([e["return_mean"] if self.simulator else e["certificate"]
+                                         if e.get("deployed", "pi") == "pi" else 0.0 for e in records[-10:]]))
+            result = {
+                "algorithm": algorithm, "env_id": args.env_id, "epsilon": args.epsilon, "seed": args.seed,
+                "args": asdict(args), "evaluations": records, "final_score": final_score,
+                "score": "return" if self.simulator else "improvement_certificate",
+                "behavior_return": float(self.data[m]["behavior_return"]), "wall_time": time.time() - self.start,
+                "train_time": self.train_time, "eval_time": self.eval_time, "members": self.M,
+                "updates_per_second": args.total_steps / self.train_time, "dataset_path": str(self.paths[m]),
+                "format_version": RESULT_FORMAT_VERSION, "extra": extra(m),
+            }
+            if self.writers[m]:
+                self.writers[m].add_scalar("eval/final_score", final_score, args.total_steps)
+                self.writers[m].flush()  # raises what the writer's thread met (e.g. a full disk)
+                self.writers[m].close()
+            if args.save_model:
+                save_model_atomic(self.dirs[m] / "model.pt", {"algorithm": algorithm, "env_id": args.env_id,
+                                                              "args": asdict(args), **model(m)})
+            write_json_atomic(self.dirs[m] / "result.json", result)
+            if self.simulator:
+                print(f"final score {final_score:.1f} (behaviour {result['behavior_return']:.1f}); results in "
+                      f"{self.dirs[m]}")
+            else:
+                print(f"final score: improvement certificate {final_score:.4g} over beta (no simulator: the batch's "
+                      f"first-order estimate of the gain, mean of the last 10 evaluations); results in {self.dirs[m]}")
+
+
+def main(args, check, train, run_checkpoint, behavior_network: bool = False, member_flags: tuple = ()) -> None:
+    """Check the flags, then evaluate a checkpoint, or validate the datasets and train the members in fresh run
+    directories. Exit status 1 if a member failed."""
+    check(args)
+    torch.set_num_threads(args.threads)
+    if args.eval_checkpoint:
+        return run_checkpoint(args)
+    runs = member_args(args, check, member_flags)
+    if args.skip_finished and not args.overwrite:
+        done = [a for a in runs if (Path(a.runs_dir) / a.run_name / "result.json").exists()]
+        for a in done:
+            print(f"skipped {Path(a.runs_dir) / a.run_name}: it holds a finished run", flush=True)
+        runs = [a for a in runs if a not in done]
+        if not runs:
+            return
+    if has_simulator(args.env_id) or not args.dataset_path:
+        env = make_env(args.env_id)
+        obs_dim, n_actions = env.observation_space.shape[0], int(env.action_space.n)
+    else:  # an imported dataset of a task not installed here: its sizes, and the certificate as the score
+        obs_dim, n_actions = dataset_sizes(args.dataset_path)
+        print(f"{args.env_id} is not an installed gymnasium task: no simulator; every evaluation is the batch's "
+              "improvement certificate of the policy over beta", flush=True)
+        behavior_network = True  # the certificate needs the behaviour model
+    datasets = {}
+    for a in runs:
+        if a.epsilon not in datasets:
+            datasets[a.epsilon] = load_dataset(a, obs_dim, n_actions, behavior_network)
+    with contextlib.ExitStack() as stack:  # everything is validated: only now create outputs
+        dirs = [stack.enter_context(run_directory(a)) for a in runs]
+        members = Members(runs, datasets, dirs, obs_dim, n_actions)
+        train(members)
+    if not all(members.alive):
+        raise SystemExit(1)
 
 
 # ---------------------------------------------------------------------------------------------

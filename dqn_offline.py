@@ -22,13 +22,15 @@ if __name__ == "__main__":  # an interrupt while the libraries below load has no
                                                    file=sys.stderr), os._exit(130)))
     signal.signal(signal.SIGTERM, signal.getsignal(signal.SIGINT))
 
-import numpy as np
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 import common
-from common import Evaluations, check_finite, load_checkpoint, load_weights
+from common import load_checkpoint, load_weights
+
+
+# --sweep may vary these (and --learning-rate, --gamma, --tau, --target-update-frequency) between the members of one process
+MEMBER_FLAGS = ()
 
 
 @dataclass
@@ -48,11 +50,9 @@ class QNetwork(nn.Module):
         return self.net(x)
 
 
-def greedy_policy(q_network: QNetwork):
-    def act(obs: np.ndarray) -> np.ndarray:
-        with torch.no_grad():
-            return q_network(torch.from_numpy(obs)).argmax(1).numpy()
-    return act
+def greedy_policy(q_network: common.Stack):
+    """act(obs [M, E, dim], u) -> the greedy actions [M, E] (u, the sampling noise, is unused)."""
+    return lambda obs, u: q_network(obs).argmax(-1)
 
 
 def check_args(args: Args) -> None:
@@ -60,13 +60,17 @@ def check_args(args: Args) -> None:
 
 
 def load_policy(path: str, greedy: bool = True, eval_seed: int = 10_000):
-    """A saved policy (--eval-checkpoint, certify.py): its checkpoint, act(obs) for evaluate(), probs(obs, beta) ->
-    pi(.|s) (greedy: one-hot) and its critic's Q(s, .)."""
+    """A saved policy (--eval-checkpoint, certify.py): its checkpoint, act(obs, u) for evaluation, probs(obs, beta) ->
+    pi(.|s) (greedy: one-hot) and its critic's Q(s, .), on observations [1, N, dim]."""
     ckpt = load_checkpoint(path, "dqn_offline", {"q_network": dict})
     q_network = QNetwork(ckpt["obs_dim"], ckpt["n_actions"])
     load_weights(path, q_network, ckpt["q_network"])
-    act = greedy_policy(q_network)
-    return ckpt, act, lambda obs, beta: common.one_hot(act(obs), ckpt["n_actions"]), common.q_function(q_network)
+    q = common.Stack([q_network.net])
+    return ckpt, greedy_policy(q), greedy_probs(q), common.q_function(q)
+
+
+def greedy_probs(q_network: common.Stack):
+    return lambda obs, beta: common.one_hot(q_network(torch.as_tensor(obs)).argmax(-1).numpy(), beta.shape[-1])
 
 
 def run_checkpoint(args: Args) -> None:
@@ -75,56 +79,38 @@ def run_checkpoint(args: Args) -> None:
 
 
 def main(args: Args) -> None:
-    common.main(args, check_args, train, run_checkpoint)
+    common.main(args, check_args, train, run_checkpoint, member_flags=MEMBER_FLAGS)
 
 
-def train(args: Args, data: dict, dataset_path: Path, run_dir: Path, writer, obs_dim: int, n_actions: int) -> None:
-    torch.manual_seed(args.seed)
-    generator = torch.Generator().manual_seed(args.seed)
-    obs = torch.as_tensor(data["observations"])
-    next_obs = torch.as_tensor(data["next_observations"])
-    actions = torch.as_tensor(data["actions"])
-    rewards = torch.as_tensor(data["rewards"])
+def train(runs: common.Members) -> None:
+    obs, next_obs = runs.tensor("observations"), runs.tensor("next_observations")
+    actions, rewards = runs.tensor("actions"), runs.tensor("rewards")
     # Time-limit truncations (timeouts) are not terminal: we bootstrap through them.
-    not_done = torch.as_tensor(1.0 - data["terminals"].astype(np.float32))
+    not_done = 1.0 - runs.tensor("terminals").float()
+    gamma, tau, period = runs.column("gamma"), runs.column("tau"), runs.column("target_update_frequency", torch.long)
 
-    q_network = QNetwork(obs_dim, n_actions)
-    target_network = QNetwork(obs_dim, n_actions)
-    target_network.load_state_dict(q_network.state_dict())
-    # fused: the same Adam update in one kernel instead of a Python loop over the parameter tensors
-    optimizer = torch.optim.Adam(q_network.parameters(), lr=args.learning_rate, fused=True)
-    eval_envs = common.make_eval_envs(args)
+    q_network = common.Stack(*runs.build(lambda: [QNetwork(runs.obs_dim, runs.n_actions).net]))
+    target_network = q_network.copy()
+    optimizer = common.Adam(q_network, runs.column("learning_rate"))
     act = greedy_policy(q_network)
 
-    log = Evaluations(args, writer, data)
-    for step in range(1, args.total_steps + 1):
-        idx = torch.randint(len(actions), (args.batch_size,), generator=generator)
+    for step in range(1, runs.first.total_steps + 1):
+        idx = runs.minibatch(step)  # [M, batch]
         with torch.no_grad():
-            target_max = target_network(next_obs[idx]).max(1).values
-            td_target = rewards[idx] + args.gamma * target_max * not_done[idx]
-        q = q_network(obs[idx]).gather(1, actions[idx, None]).squeeze(1)
-        loss = F.mse_loss(q, td_target)
-        optimizer.zero_grad()
-        loss.backward()
+            target_max = target_network(next_obs[idx]).max(-1).values
+            td_target = rewards[idx] + gamma * target_max * not_done[idx]
+        q = q_network(obs[idx]).gather(-1, actions[idx].unsqueeze(-1)).squeeze(-1)
+        loss = (q - td_target).square().mean(1)  # [M]: each member's own mean squared TD error
+        loss.sum().backward()
         optimizer.step()
+        common.soft_update(step, target_network, q_network, period, tau)
 
-        if step % args.target_update_frequency == 0:
-            with torch.no_grad():
-                for p, tp in zip(q_network.parameters(), target_network.parameters()):
-                    tp.lerp_(p, args.tau)
+        runs.log(step, {"losses/td_loss": loss, "losses/q_values": q.mean(1)})
+        if runs.due(step):
+            runs.evaluate(step, [q_network], act, greedy_probs(q_network), common.q_function(q_network))
 
-        if writer and step % 100 == 0:
-            writer.add_scalar("losses/td_loss", loss.item(), step)
-            writer.add_scalar("losses/q_values", q.mean().item(), step)
-
-        if log.due(step):
-            log.pause()
-            check_finite(step, q_network)
-            log.evaluate(step, act, eval_envs, lambda obs, beta: common.one_hot(act(obs), n_actions),
-                         common.q_function(q_network))
-
-    log.finish("dqn_offline", data, dataset_path, run_dir, {}, {
-        "obs_dim": obs_dim, "n_actions": n_actions, "q_network": q_network.state_dict()})
+    runs.finish("dqn_offline", lambda m: {}, lambda m: {
+        "obs_dim": runs.obs_dim, "n_actions": runs.n_actions, "q_network": q_network.state_dict(m, "net.")})
 
 
 if __name__ == "__main__":

@@ -45,10 +45,13 @@ if __name__ == "__main__":  # an interrupt while the libraries below load has no
 import numpy as np
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 import common
-from common import Evaluations, check_finite, fail, load_checkpoint, load_weights
+from common import fail, load_checkpoint, load_weights
+
+
+# --sweep may vary these (and --learning-rate, --gamma, --tau, --target-update-frequency) between the members of one process
+MEMBER_FLAGS = ("kl_weight",)
 
 
 @dataclass
@@ -80,31 +83,30 @@ def safe_log(p: torch.Tensor) -> torch.Tensor:
     return torch.log(torch.clamp(p, min=LOG_BETA_FLOOR))
 
 
-def kl_reward(q: torch.Tensor, actions: torch.Tensor, beta: torch.Tensor, kl_weight: float,
-              kl_calc: str) -> torch.Tensor:
+def kl_reward(q: torch.Tensor, actions: torch.Tensor, beta: torch.Tensor, kl_weight, kl_calc: str) -> torch.Tensor:
     """c * (log beta - log pi) at the taken action ("sample") or -c * KL(beta || pi) ("integral"), with
-    pi = softmax(q); q [B, |A|] (no gradient wanted: pass it detached), beta [B, |A|], actions [B]."""
-    log_pi = torch.log_softmax(q, 1)
+    pi = softmax(q); q [M, B, |A|] (no gradient wanted: pass it detached), beta [M, B, |A|], actions [M, B], c [M, 1]."""
+    log_pi, a = torch.log_softmax(q, -1), actions.unsqueeze(-1)
     if kl_calc == "sample":
-        return kl_weight * (safe_log(beta.gather(1, actions[:, None])) - log_pi.gather(1, actions[:, None])).squeeze(1)
-    return -kl_weight * (beta * (safe_log(beta) - log_pi)).sum(1)
+        return kl_weight * (safe_log(beta.gather(-1, a)) - log_pi.gather(-1, a)).squeeze(-1)
+    return -kl_weight * (beta * (safe_log(beta) - log_pi)).sum(-1)
 
 
 def klq_target(rewards: torch.Tensor, not_done: torch.Tensor, next_q_target: torch.Tensor, q: torch.Tensor,
-               actions: torch.Tensor, beta: torch.Tensor, gamma: float, kl_weight: float, kl_calc: str) -> torch.Tensor:
-    """y = r + r_KL(s, a) + gamma * (1 - terminal) * max_a' Q_target(s', a'). The KL reward is added only
-    when the weight is non-zero, so kl_weight = 0 returns the DQN target bit for bit."""
-    y = rewards + gamma * next_q_target.max(1).values * not_done
-    if kl_weight != 0.0:
-        y = y + kl_reward(q, actions, beta, kl_weight, kl_calc)
-    return y
+               actions: torch.Tensor, beta: torch.Tensor, gamma, kl_weight, kl_calc: str) -> torch.Tensor:
+    """y = r + r_KL(s, a) + gamma * (1 - terminal) * max_a' Q_target(s', a'). A member's KL reward is 0 when its
+    weight is 0, so kl_weight = 0 returns the DQN target bit for bit."""
+    y = rewards + gamma * next_q_target.max(-1).values * not_done
+    return y + torch.where(torch.as_tensor(kl_weight) != 0.0, kl_reward(q, actions, beta, kl_weight, kl_calc), 0.0)
 
 
-def greedy_policy(q_network: QNetwork):
-    def act(obs: np.ndarray) -> np.ndarray:
-        with torch.no_grad():
-            return q_network(torch.from_numpy(obs)).argmax(1).numpy()
-    return act
+def greedy_policy(q_network: common.Stack):
+    """act(obs [M, E, dim], u) -> the greedy actions [M, E] (u, the sampling noise, is unused)."""
+    return lambda obs, u=None: q_network(obs).argmax(-1)
+
+
+def greedy_probs(q_network: common.Stack):
+    return lambda obs, beta: common.one_hot(q_network(torch.as_tensor(obs)).argmax(-1).numpy(), beta.shape[-1])
 
 
 def check_args(args: Args) -> None:
@@ -114,13 +116,13 @@ def check_args(args: Args) -> None:
 
 
 def load_policy(path: str, greedy: bool = True, eval_seed: int = 10_000):
-    """A saved policy (--eval-checkpoint, certify.py): its checkpoint, act(obs) for evaluate(), probs(obs, beta) ->
-    pi(.|s) (greedy: one-hot) and its critic's Q(s, .)."""
+    """A saved policy (--eval-checkpoint, certify.py): its checkpoint, act(obs, u), probs(obs, beta) -> pi(.|s)
+    (greedy: one-hot) and its critic's Q(s, .), on observations [1, N, dim]."""
     ckpt = load_checkpoint(path, "klq", {"q_network": dict})
     q_network = QNetwork(ckpt["obs_dim"], ckpt["n_actions"])
     load_weights(path, q_network, ckpt["q_network"])
-    act = greedy_policy(q_network)
-    return ckpt, act, lambda obs, beta: common.one_hot(act(obs), ckpt["n_actions"]), common.q_function(q_network)
+    q = common.Stack([q_network.net])
+    return ckpt, greedy_policy(q), greedy_probs(q), common.q_function(q)
 
 
 def run_checkpoint(args: Args) -> None:
@@ -128,10 +130,10 @@ def run_checkpoint(args: Args) -> None:
     common.evaluate_checkpoint(args.eval_checkpoint, act, ckpt["env_id"], args.eval_episodes, args.eval_seed)
 
 
-def dataset_statistics(q_network: QNetwork, obs: torch.Tensor, actions: torch.Tensor, beta: torch.Tensor) -> dict:
-    """Final diagnostics over the whole batch (one forward): how far pi = softmax(Q) is from beta."""
+def dataset_statistics(q_network: common.Stack, obs: torch.Tensor, actions: torch.Tensor, beta: torch.Tensor) -> dict:
+    """Final diagnostics over the member's batch (one forward): how far pi = softmax(Q) is from beta."""
     with torch.no_grad():
-        q = q_network(obs)
+        q = q_network(obs[None])[0]
         log_pi = torch.log_softmax(q, 1)
         return {"kl_beta_pi_mean": float((beta * (safe_log(beta) - log_pi)).sum(1).mean()),
                 "kl_pi_beta_mean": float((log_pi.exp() * (log_pi - safe_log(beta))).sum(1).mean()),
@@ -140,63 +142,47 @@ def dataset_statistics(q_network: QNetwork, obs: torch.Tensor, actions: torch.Te
 
 
 def main(args: Args) -> None:
-    common.main(args, check_args, train, run_checkpoint)
+    common.main(args, check_args, train, run_checkpoint, member_flags=MEMBER_FLAGS)
 
 
-def train(args: Args, data: dict, dataset_path: Path, run_dir: Path, writer, obs_dim: int, n_actions: int) -> None:
-    torch.manual_seed(args.seed)
-    generator = torch.Generator().manual_seed(args.seed)
-    obs = torch.as_tensor(data["observations"])
-    next_obs = torch.as_tensor(data["next_observations"])
-    actions = torch.as_tensor(data["actions"])
-    rewards = torch.as_tensor(data["rewards"])
-    behavior_probs = torch.as_tensor(data["behavior_probs"])  # beta(.|s), the KL prior
+def train(runs: common.Members) -> None:
+    obs, next_obs = runs.tensor("observations"), runs.tensor("next_observations")
+    actions, rewards = runs.tensor("actions"), runs.tensor("rewards")
+    behavior_probs = runs.tensor("behavior_probs")  # beta(.|s), the KL prior
     # Time-limit truncations (timeouts) are not terminal: we bootstrap through them.
-    not_done = torch.as_tensor(1.0 - data["terminals"].astype(np.float32))
+    not_done = 1.0 - runs.tensor("terminals").float()
+    gamma, tau, period = runs.column("gamma"), runs.column("tau"), runs.column("target_update_frequency", torch.long)
+    kl_weight, kl_calc = runs.column("kl_weight"), runs.first.kl_calc
 
-    q_network = QNetwork(obs_dim, n_actions)
-    target_network = QNetwork(obs_dim, n_actions)
-    target_network.load_state_dict(q_network.state_dict())
-    # fused: the same Adam update in one kernel instead of a Python loop over the parameter tensors
-    optimizer = torch.optim.Adam(q_network.parameters(), lr=args.learning_rate, fused=True)
-    eval_envs = common.make_eval_envs(args)
+    q_network = common.Stack(*runs.build(lambda: [QNetwork(runs.obs_dim, runs.n_actions).net]))
+    target_network = q_network.copy()
+    optimizer = common.Adam(q_network, runs.column("learning_rate"))
     act = greedy_policy(q_network)
 
-    log = Evaluations(args, writer, data)
-    for step in range(1, args.total_steps + 1):
-        idx = torch.randint(len(actions), (args.batch_size,), generator=generator)
+    for step in range(1, runs.first.total_steps + 1):
+        idx = runs.minibatch(step)  # [M, batch]
         batch_actions = actions[idx]
         q_all = q_network(obs[idx])
         with torch.no_grad():
             # pi = softmax of the online Q at s, a constant of the target (as in the source).
             td_target = klq_target(rewards[idx], not_done[idx], target_network(next_obs[idx]), q_all.detach(),
-                                   batch_actions, behavior_probs[idx], args.gamma, args.kl_weight, args.kl_calc)
-        q = q_all.gather(1, batch_actions[:, None]).squeeze(1)
-        loss = F.mse_loss(q, td_target)
-        optimizer.zero_grad()
-        loss.backward()
+                                   batch_actions, behavior_probs[idx], gamma, kl_weight, kl_calc)
+        q = q_all.gather(-1, batch_actions.unsqueeze(-1)).squeeze(-1)
+        loss = (q - td_target).square().mean(1)  # [M]: each member's own mean squared TD error
+        loss.sum().backward()
         optimizer.step()
+        common.soft_update(step, target_network, q_network, period, tau)
 
-        if step % args.target_update_frequency == 0:
+        if step % 100 == 0:
             with torch.no_grad():
-                for p, tp in zip(q_network.parameters(), target_network.parameters()):
-                    tp.lerp_(p, args.tau)
+                reward = kl_reward(q_all.detach(), batch_actions, behavior_probs[idx], kl_weight, kl_calc).mean(1)
+            runs.log(step, {"losses/td_loss": loss, "losses/q_values": q.mean(1), "losses/kl_reward": reward})
+        if runs.due(step):
+            runs.evaluate(step, [q_network], act, greedy_probs(q_network), common.q_function(q_network))
 
-        if writer and step % 100 == 0:
-            writer.add_scalar("losses/td_loss", loss.item(), step)
-            writer.add_scalar("losses/q_values", q.mean().item(), step)
-            with torch.no_grad():
-                writer.add_scalar("losses/kl_reward", kl_reward(q_all.detach(), batch_actions, behavior_probs[idx],
-                                                                args.kl_weight, args.kl_calc).mean().item(), step)
-
-        if log.due(step):
-            log.pause()
-            check_finite(step, q_network)
-            log.evaluate(step, act, eval_envs, lambda obs, beta: common.one_hot(act(obs), n_actions),
-                         common.q_function(q_network))
-
-    log.finish("klq", data, dataset_path, run_dir, dataset_statistics(q_network, obs, actions, behavior_probs), {
-        "obs_dim": obs_dim, "n_actions": n_actions, "q_network": q_network.state_dict()})
+    runs.finish("klq", lambda m: dataset_statistics(q_network.select([m]), obs[runs.rows(m)], actions[runs.rows(m)],
+                                                    behavior_probs[runs.rows(m)]), lambda m: {
+        "obs_dim": runs.obs_dim, "n_actions": runs.n_actions, "q_network": q_network.state_dict(m, "net.")})
 
 
 if __name__ == "__main__":

@@ -54,10 +54,13 @@ if __name__ == "__main__":  # an interrupt while the libraries below load has no
 import numpy as np
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 import common
-from common import Evaluations, check_finite, fail, load_checkpoint, load_weights
+from common import fail, load_checkpoint, load_weights
+
+
+# --sweep may vary these (and --learning-rate, --gamma, --tau, --target-update-frequency) between the members of one process
+MEMBER_FLAGS = ("spibb_threshold",)
 
 
 @dataclass
@@ -86,57 +89,39 @@ class QNetwork(nn.Module):
 MASK_VALUE = -1e8
 
 
-def spibb_policy(q: torch.Tensor, beta: torch.Tensor, threshold: float) -> torch.Tensor:
-    """pi_spibb [B, |A|]: beta on the bootstrapped actions (beta < threshold); the rest of the mass,
+def spibb_policy(q: torch.Tensor, beta: torch.Tensor, threshold) -> torch.Tensor:
+    """pi_spibb [..., |A|]: beta on the bootstrapped actions (beta < threshold); the rest of the mass,
     1 - sum of the kept beta, on the highest-Q non-bootstrapped action (first index on ties); beta
     itself if every action is bootstrapped."""
     bootstrapped = beta < threshold
     kept = torch.where(bootstrapped, beta, 0.0)
-    free_mass = torch.where(bootstrapped.all(1, keepdim=True), 0.0, (1.0 - kept.sum(1, keepdim=True)).clamp(min=0.0))
-    best = torch.where(bootstrapped, MASK_VALUE, q).argmax(1, keepdim=True)
-    return kept.scatter_add(1, best, free_mass)
+    free_mass = torch.where(bootstrapped.all(-1, keepdim=True), 0.0, (1.0 - kept.sum(-1, keepdim=True)).clamp(min=0.0))
+    best = torch.where(bootstrapped, MASK_VALUE, q).argmax(-1, keepdim=True)
+    return kept.scatter_add(-1, best, free_mass.to(kept.dtype))
 
 
-def spibb_target(rewards: torch.Tensor, not_done: torch.Tensor, next_q_target: torch.Tensor, free_penalty: torch.Tensor,
-                 bootstrapped_beta: torch.Tensor, free_mass: torch.Tensor, gamma: float) -> torch.Tensor:
-    """y = r + gamma * (1 - terminal) * sum_a' pi_spibb(a'|s') Q_target(s', a'), from per-transition
-    constants of beta(.|s') precomputed once for the whole dataset (see spibb_constants):
+def spibb_target(rewards: torch.Tensor, not_done: torch.Tensor, next_q_target: torch.Tensor, next_beta: torch.Tensor,
+                 threshold, gamma) -> torch.Tensor:
+    """y = r + gamma * (1 - terminal) * sum_a' pi_spibb(a'|s') Q_target(s', a'), computed as
         sum_a' pi_spibb Q = free_mass * max_{a' not bootstrapped} Q + sum_{a' bootstrapped} beta Q.
     With every action bootstrapped free_mass = 0 multiplies a finite -1e8 (no NaN); with none,
-    free_mass = 1 exactly and bootstrapped_beta = 0, which is the DQN target bit for bit."""
-    free_max = (next_q_target + free_penalty).max(1).values
-    value = free_mass * free_max + (bootstrapped_beta * next_q_target).sum(1)
+    free_mass = 1 exactly and the bootstrapped beta is 0, which is the DQN target bit for bit."""
+    bootstrapped = next_beta < threshold
+    bootstrapped_beta = torch.where(bootstrapped, next_beta, 0.0)
+    free_mass = torch.where(bootstrapped.all(-1), 0.0, (1.0 - bootstrapped_beta.sum(-1)).clamp(min=0.0))
+    free_max = torch.where(bootstrapped, MASK_VALUE, next_q_target).max(-1).values
+    value = free_mass * free_max + (bootstrapped_beta * next_q_target).sum(-1)
     return rewards + gamma * value * not_done
 
 
-def spibb_constants(beta: torch.Tensor, threshold: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """For spibb_target: additive mask (0 free / -1e8 bootstrapped), beta on bootstrapped actions
-    (0 elsewhere), and the mass pi_spibb moves to the best free action (as in spibb_policy)."""
-    bootstrapped = beta < threshold
-    free_penalty = torch.where(bootstrapped, MASK_VALUE, 0.0)
-    bootstrapped_beta = torch.where(bootstrapped, beta, 0.0)
-    free_mass = torch.where(bootstrapped.all(1), 0.0, (1.0 - bootstrapped_beta.sum(1)).clamp(min=0.0))
-    return free_penalty, bootstrapped_beta, free_mass
-
-
-def make_policy(q_network: QNetwork, behavior: common.BehaviorPolicy, threshold: float, greedy: bool, seed: int):
-    """Acting function for evaluate(): pi_spibb at the visited states (beta from the behaviour network,
-    Q from q_network), sampled or argmax. The sampling noise of the evaluation after k updates starts from
-    seed + k (act.n_updates = k): each evaluation is reproducible on its own (a checkpoint re-evaluates to
-    the same returns), and the last 10 evaluations that make the final score average 10 independent draws
-    of the policy's randomness, like the behaviour policy's 10 passes in `behavior_return`."""
-    generator = torch.Generator()
-
-    def act(obs: np.ndarray) -> np.ndarray:
-        with torch.no_grad():
-            beta = behavior(torch.from_numpy(obs)).float()
-            pi = spibb_policy(q_network(torch.from_numpy(obs)), beta, threshold)
-            if greedy:
-                return pi.argmax(1).numpy()
-            return torch.multinomial(pi, 1, generator=generator).squeeze(1).numpy()
-
-    act.n_updates = 0
-    act.reset = lambda: generator.manual_seed(seed + act.n_updates)
+def make_policy(q_network: common.Stack, behavior, threshold, greedy: bool):
+    """act(obs [M, E, dim], u) -> actions [M, E]: pi_spibb at the visited states (beta from the behaviour network,
+    Q from q_network), sampled with the evaluation's uniforms u (seeded with eval_seed + updates so far: each
+    evaluation is reproducible on its own, and the last 10 evaluations that make the final score average 10
+    independent draws, like the behaviour policy's 10 passes in `behavior_return`), or its argmax."""
+    def act(obs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        pi = spibb_policy(q_network(obs), behavior(obs).float(), threshold)
+        return pi.argmax(-1) if greedy else common.sample(pi, u)
     return act
 
 
@@ -147,8 +132,9 @@ def check_args(args: Args) -> None:
 
 
 def load_policy(path: str, greedy: bool = False, eval_seed: int = 10_000):
-    """A saved policy (--eval-checkpoint, certify.py): its checkpoint, act(obs) for evaluate(), probs(obs, beta) ->
-    pi(.|s) and its critic's Q(s, .). beta and the threshold are part of the policy: the ones it was trained with."""
+    """A saved policy (--eval-checkpoint, certify.py): its checkpoint, act(obs, u), probs(obs, beta) -> pi(.|s) and
+    its critic's Q(s, .), on observations [1, N, dim]. beta and the threshold are part of the policy: the ones it was
+    trained with."""
     ckpt = load_checkpoint(path, "spibb", {"q_network": dict, "behavior": dict, "args": dict, "n_updates": int})
     threshold = ckpt["args"].get("spibb_threshold")
     if not isinstance(threshold, float) or not 0.0 <= threshold <= 1.0:
@@ -156,30 +142,31 @@ def load_policy(path: str, greedy: bool = False, eval_seed: int = 10_000):
     behavior = common.behavior_from_checkpoint(ckpt, path)
     q_network = QNetwork(ckpt["obs_dim"], ckpt["n_actions"])
     load_weights(path, q_network, ckpt["q_network"])
-    act = make_policy(q_network, behavior, threshold, greedy, eval_seed)
-    act.n_updates = ckpt["n_updates"]  # the sampling noise of the run's own evaluation at that point
-    return ckpt, act, probs_function(q_network, threshold, greedy), common.q_function(q_network)
+    q = common.Stack([q_network.net])
+    act = make_policy(q, lambda obs: behavior(obs.reshape(-1, obs.shape[-1])).view(*obs.shape[:-1], -1), threshold, greedy)
+    return ckpt, act, probs_function(q, threshold, greedy), common.q_function(q)
 
 
-def probs_function(q_network: QNetwork, threshold: float, greedy: bool):
+def probs_function(q_network: common.Stack, threshold, greedy: bool):
     """probs(obs, beta) -> pi_spibb(.|s) (or its argmax), for the improvement certificate."""
-    def probs(obs: np.ndarray, beta: np.ndarray) -> np.ndarray:
+    def probs(obs: torch.Tensor, beta: np.ndarray) -> np.ndarray:
         with torch.no_grad():
-            pi = spibb_policy(q_network(torch.from_numpy(obs)).double(), torch.from_numpy(beta), threshold).numpy()
-        return common.one_hot(pi.argmax(1), pi.shape[1]) if greedy else pi
+            pi = spibb_policy(q_network(torch.as_tensor(obs)).double(), torch.from_numpy(beta), threshold).numpy()
+        return common.one_hot(pi.argmax(-1), pi.shape[-1]) if greedy else pi
     return probs
 
 
 def run_checkpoint(args: Args) -> None:
     ckpt, act, _, _ = load_policy(args.eval_checkpoint, args.eval_greedy, args.eval_seed)
-    common.evaluate_checkpoint(args.eval_checkpoint, act, ckpt["env_id"], args.eval_episodes, args.eval_seed)
+    common.evaluate_checkpoint(args.eval_checkpoint, act, ckpt["env_id"], args.eval_episodes, args.eval_seed,
+                               n_updates=ckpt["n_updates"])
 
 
-def dataset_statistics(q_network: QNetwork, obs: torch.Tensor, actions: torch.Tensor, beta: torch.Tensor,
+def dataset_statistics(q_network: common.Stack, obs: torch.Tensor, actions: torch.Tensor, beta: torch.Tensor,
                        threshold: float) -> dict:
-    """Final diagnostics over the whole batch (one forward): how much SPIBB differs from beta."""
+    """Final diagnostics over the member's batch (one forward): how much SPIBB differs from beta."""
     with torch.no_grad():
-        pi = spibb_policy(q_network(obs), beta, threshold)
+        pi = spibb_policy(q_network(obs[None])[0], beta, threshold)
         return {"bootstrapped_actions_mean": float((beta < threshold).sum(1).float().mean()),
                 "all_bootstrapped_fraction": float((beta < threshold).all(1).float().mean()),
                 "total_variation_to_beta": float(0.5 * (pi - beta).abs().sum(1).mean()),
@@ -187,61 +174,43 @@ def dataset_statistics(q_network: QNetwork, obs: torch.Tensor, actions: torch.Te
 
 
 def main(args: Args) -> None:
-    common.main(args, check_args, train, run_checkpoint, behavior_network=True)
+    common.main(args, check_args, train, run_checkpoint, behavior_network=True, member_flags=MEMBER_FLAGS)
 
 
-def train(args: Args, data: dict, dataset_path: Path, run_dir: Path, writer, obs_dim: int, n_actions: int) -> None:
-    torch.manual_seed(args.seed)
-    generator = torch.Generator().manual_seed(args.seed)
-    obs = torch.as_tensor(data["observations"])
-    next_obs = torch.as_tensor(data["next_observations"])
-    actions = torch.as_tensor(data["actions"])
-    rewards = torch.as_tensor(data["rewards"])
-    # beta(.|s') is fixed by the dataset, so the bootstrapped set of every s' is computed once.
-    free_penalty, bootstrapped_beta, free_mass = spibb_constants(torch.as_tensor(data["next_behavior_probs"]),
-                                                                 args.spibb_threshold)
+def train(runs: common.Members) -> None:
+    obs, next_obs = runs.tensor("observations"), runs.tensor("next_observations")
+    actions, rewards = runs.tensor("actions"), runs.tensor("rewards")
+    beta, next_beta = runs.tensor("behavior_probs"), runs.tensor("next_behavior_probs")
     # Time-limit truncations (timeouts) are not terminal: we bootstrap through them.
-    not_done = torch.as_tensor(1.0 - data["terminals"].astype(np.float32))
+    not_done = 1.0 - runs.tensor("terminals").float()
+    gamma, tau, period = runs.column("gamma"), runs.column("tau"), runs.column("target_update_frequency", torch.long)
+    threshold = runs.column("spibb_threshold")[..., None]  # [M, 1, 1]
 
-    q_network = QNetwork(obs_dim, n_actions)
-    target_network = QNetwork(obs_dim, n_actions)
-    target_network.load_state_dict(q_network.state_dict())
-    # fused: the same Adam update in one kernel instead of a Python loop over the parameter tensors
-    optimizer = torch.optim.Adam(q_network.parameters(), lr=args.learning_rate, fused=True)
-    eval_envs = common.make_eval_envs(args)
-    act = make_policy(q_network, common.behavior_policy(data), args.spibb_threshold, args.eval_greedy, args.eval_seed)
+    q_network = common.Stack(*runs.build(lambda: [QNetwork(runs.obs_dim, runs.n_actions).net]))
+    target_network = q_network.copy()
+    optimizer = common.Adam(q_network, runs.column("learning_rate"))
+    act = make_policy(q_network, runs.behavior(), threshold, runs.first.eval_greedy)
 
-    log = Evaluations(args, writer, data)
-    for step in range(1, args.total_steps + 1):
-        idx = torch.randint(len(actions), (args.batch_size,), generator=generator)
+    for step in range(1, runs.first.total_steps + 1):
+        idx = runs.minibatch(step)  # [M, batch]
         with torch.no_grad():
-            td_target = spibb_target(rewards[idx], not_done[idx], target_network(next_obs[idx]), free_penalty[idx],
-                                     bootstrapped_beta[idx], free_mass[idx], args.gamma)
-        q = q_network(obs[idx]).gather(1, actions[idx, None]).squeeze(1)
-        loss = F.mse_loss(q, td_target)
-        optimizer.zero_grad()
-        loss.backward()
+            td_target = spibb_target(rewards[idx], not_done[idx], target_network(next_obs[idx]), next_beta[idx],
+                                     threshold, gamma)
+        q = q_network(obs[idx]).gather(-1, actions[idx].unsqueeze(-1)).squeeze(-1)
+        loss = (q - td_target).square().mean(1)  # [M]: each member's own mean squared TD error
+        loss.sum().backward()
         optimizer.step()
+        common.soft_update(step, target_network, q_network, period, tau)
 
-        if step % args.target_update_frequency == 0:
-            with torch.no_grad():
-                for p, tp in zip(q_network.parameters(), target_network.parameters()):
-                    tp.lerp_(p, args.tau)
+        runs.log(step, {"losses/td_loss": loss, "losses/q_values": q.mean(1)})
+        if runs.due(step):
+            runs.evaluate(step, [q_network], act, probs_function(q_network, threshold.double(), runs.first.eval_greedy),
+                          common.q_function(q_network))
 
-        if writer and step % 100 == 0:
-            writer.add_scalar("losses/td_loss", loss.item(), step)
-            writer.add_scalar("losses/q_values", q.mean().item(), step)
-
-        if log.due(step):
-            log.pause()
-            check_finite(step, q_network)
-            act.n_updates = step
-            log.evaluate(step, act, eval_envs, probs_function(q_network, args.spibb_threshold, args.eval_greedy),
-                         common.q_function(q_network))
-
-    log.finish("spibb", data, dataset_path, run_dir, dataset_statistics(q_network, obs, actions, torch.as_tensor(data["behavior_probs"]), args.spibb_threshold), {
-        "obs_dim": obs_dim, "n_actions": n_actions, "q_network": q_network.state_dict(), "n_updates": args.total_steps,
-        **common.behavior_spec(data)})
+    runs.finish("spibb", lambda m: dataset_statistics(q_network.select([m]), obs[runs.rows(m)], actions[runs.rows(m)],
+                                                      beta[runs.rows(m)], runs.args[m].spibb_threshold), lambda m: {
+        "obs_dim": runs.obs_dim, "n_actions": runs.n_actions, "q_network": q_network.state_dict(m, "net."),
+        "n_updates": runs.first.total_steps, **common.behavior_spec(runs.data[m])})
 
 
 if __name__ == "__main__":

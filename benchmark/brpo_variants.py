@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import statistics
 import sys
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -61,30 +61,30 @@ def main(args: Args) -> None:
     if ckpt.get("algorithm") != "brpo":
         raise SystemExit(f"error: {args.checkpoint} was saved by {ckpt.get('algorithm')}.py; this needs a brpo.py model")
     saved = brpo.Args(**{k: v for k, v in ckpt["args"].items() if k in brpo.Args.__dataclass_fields__})
-    q_network = brpo.QNetwork(ckpt["obs_dim"], ckpt["n_actions"])
-    q_network.load_state_dict(ckpt["q_network"])
-    confidence = brpo.load_confidence(ckpt, saved)
+    q_net = brpo.QNetwork(ckpt["obs_dim"], ckpt["n_actions"])
+    q_net.load_state_dict(ckpt["q_network"])
+    q_network, confidence = common.Stack([q_net.net]), brpo.load_confidence(ckpt, saved)  # one member: [1, N, ...]
     behavior = common.behavior_from_checkpoint(ckpt, args.checkpoint)
-    n_updates, unit = ckpt["n_updates"], ckpt["advantage_unit"]
-    deployed = replace(saved, pessimism=ckpt.get("deploy_pessimism", saved.pessimism))  # the level brpo.py deployed
-    envs = [common.make_env(ckpt["env_id"]) for _ in range(args.episodes)]
+    n_updates, unit = ckpt["n_updates"], np.array([ckpt["advantage_unit"]])
+    p = common.columns([saved], *brpo.FLAGS)
+    deployed = np.array([[ckpt.get("deploy_pessimism", saved.pessimism)]])  # the level brpo.py deployed
 
     def residual(obs, beta, lam_tilde=None, w_zero=False, pessimism=saved.pessimism):
         with torch.no_grad():
-            q = q_network(obs).double()
-            w = q - torch.from_numpy(brpo.mixed_value(q.numpy(), beta.numpy(), saved.mu))[:, None]
-            lt = confidence(obs).double() if lam_tilde is None else torch.full_like(w, lam_tilde)
-        w = torch.zeros_like(w) if w_zero else w
-        rho, _ = brpo.candidate(beta.numpy(), lt.numpy(), w.numpy(), replace(saved, pessimism=pessimism), n_updates,
-                                unit)
-        lam = torch.from_numpy(brpo.project_confidence(lt.numpy(), rho - beta.numpy()))
-        return brpo.residual_policy(beta, torch.from_numpy(rho), lam)
+            q = q_network(obs[None]).double().numpy()
+            w = q - brpo.mixed_value(q, beta.numpy()[None], p.mu)[..., None]
+            lt = confidence(obs[None]).double().numpy() if lam_tilde is None else np.full_like(w, lam_tilde)
+        w = np.zeros_like(w) if w_zero else w
+        rho, _ = brpo.candidate(beta.numpy()[None], lt, w, p, np.array([[pessimism]]), n_updates, unit)
+        lam = brpo.project_confidence(lt[0], rho[0] - beta.numpy())
+        return torch.from_numpy(brpo.residual_policy(beta.numpy(), rho[0], lam))
 
     def probs(variant, obs):
         beta = behavior(obs)
         one_hot = torch.nn.functional.one_hot(beta.argmax(1), beta.shape[1]).double()
         if variant == "pi":  # exactly what brpo.py deploys
-            return brpo.policy_probs(obs, beta, q_network, confidence, deployed, n_updates, unit)
+            return torch.from_numpy(brpo.policy_probs(obs[None], beta.numpy()[None], q_network, confidence, p, deployed,
+                                                      n_updates, unit)[0])
         if variant == "beta":
             return beta
         if variant == "greedy":
@@ -113,7 +113,7 @@ def main(args: Args) -> None:
         z = statistics.NormalDist().inv_cdf(saved.certificate_confidence)
         cert_obs = torch.from_numpy(data["observations"][cert["rows"]])
         with torch.no_grad():
-            q = q_network(cert_obs).double().numpy()
+            q = q_network(cert_obs[None])[0].double().numpy()
         print(f"certificates on {cert['n_episodes']} logged episodes (first order, {saved.certificate_confidence:.0%} "
               "lower bound of each variant on its own; tv: total-variation distance to beta on the same states, the one "
               "brpo.py's deployed-level rule compares):")
@@ -127,13 +127,12 @@ def main(args: Args) -> None:
 
     print(f"{args.checkpoint}: {ckpt['env_id']} eps {ckpt['epsilon']:g}, {args.episodes} episodes from "
           f"reset(seed={args.eval_seed} + i), sampled with seed {args.eval_seed}")
+    simulators = common.Simulators(ckpt["env_id"], 1, args.episodes, args.eval_seed)
     for variant in args.variants:
-        generator = torch.Generator().manual_seed(args.eval_seed)
+        def act(obs: torch.Tensor, u: torch.Tensor, variant=variant) -> torch.Tensor:
+            return common.sample(probs(variant, obs[0])[None], u.double())
 
-        def act(obs: np.ndarray, variant=variant, generator=generator) -> np.ndarray:
-            return torch.multinomial(probs(variant, torch.from_numpy(obs)), 1, generator=generator).squeeze(1).numpy()
-
-        returns = common.evaluate(act, envs, args.eval_seed)
+        returns = simulators.run(act, args.eval_seed)[0]
         print(f"{variant:10s} {returns.mean():8.1f}  (s.e. {returns.std() / np.sqrt(len(returns)):.1f})", flush=True)
 
 

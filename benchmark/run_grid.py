@@ -2,13 +2,15 @@
 """Run (or print, or submit to Slurm) a grid of offline-RL benchmark runs.
 
 The grid is  tasks x epsilons x algorithms x hyperparameter configurations x seeds.
-Every grid cell becomes exactly one command such as
+Every grid cell is one run with a deterministic run directory, e.g. Acrobot-v1/eps0.15/brpo/seed3.
+Cells that differ only in dataset (epsilon), seed or the hyperparameters a script can train side by
+side (its MEMBER_FLAGS) are packed as the members of one process, at most --max-members each:
 
-    python brpo.py --env-id Acrobot-v1 --epsilon 0.15 --seed 3 --threads 1 \
-        --runs-dir benchmark/results/table1 --run-name Acrobot-v1/eps0.15/brpo/seed3
+    python brpo.py --env-id Acrobot-v1 --epsilons 0.05 0.15 --seeds 1 2 3 --threads 1 --skip-finished \
+        --runs-dir benchmark/results/table1 --run-name '{env_id}/eps{epsilon}/brpo/seed{seed}'
 
-with a deterministic run name, so an interrupted grid can simply be started again:
-runs whose ``result.json`` is valid are skipped, everything else is (re)run.
+An interrupted grid can simply be started again: runs whose ``result.json`` is valid are skipped,
+everything else is (re)run.
 
 Examples
     python benchmark/run_grid.py --dry-run                          # paper grid, print commands
@@ -40,7 +42,6 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = REPO_ROOT / "benchmark" / "results" / "table1"
 RESULT_FILE = "result.json"
-LOG_FILE = "run.log"
 
 # algorithm key -> (script, column name in the paper's Table 1). Order = Table 1 column order.
 ALGORITHMS: dict[str, tuple[str, str]] = {
@@ -147,25 +148,98 @@ class Cell:
         return ALGORITHMS[self.algo][0]
 
 
-def cell_settings(cell: Cell, settings: dict) -> dict:
-    """Flags requested for this cell besides the cell identity: global settings overridden by hparams."""
+def member_flags(script: Path) -> set[str]:
+    """The flags a script can vary between the members of one process: common.py's SHARED_MEMBER_FLAGS and the
+    script's MEMBER_FLAGS, read with ast (no drift from the scripts); empty if they cannot be read."""
+    def constant(path: Path, name: str) -> tuple:
+        try:
+            for node in ast.parse(path.read_text()).body:
+                if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == name for t in node.targets):
+                    return tuple(ast.literal_eval(node.value))
+        except (OSError, SyntaxError, ValueError):
+            pass
+        return ()
+    return set(constant(Path(script).parent / "common.py", "SHARED_MEMBER_FLAGS")) | set(constant(Path(script),
+                                                                                                   "MEMBER_FLAGS"))
+
+
+@dataclasses.dataclass
+class Pack:
+    """Cells trained as the members of one process: every combination of its epsilons, member hyperparameter
+    values and seeds (those already finished are skipped by the script, --skip-finished)."""
+
+    env_id: str
+    algo: str
+    fixed: tuple  # (flag, value) pairs the same for every member
+    epsilons: list
+    swept: dict  # member flag -> values
+    seeds: list
+    cells: list  # the pending cells among the members
+
+    @property
+    def size(self) -> int:
+        return len(self.epsilons) * len(self.seeds) * math.prod(len(v) for v in self.swept.values())
+
+
+
+def pack_cells(cells: list[Cell], repo: Path, max_members: int) -> list[Pack]:
+    """Every cell in exactly one pack: cells of one task, algorithm and non-member settings share a pack, split (the
+    largest of epsilons, value lists and seeds halved first) until a pack has at most max_members members."""
+    groups: dict = {}
+    flags = {a: member_flags(Path(repo) / ALGORITHMS[a][0]) for a in dict.fromkeys(c.algo for c in cells)}
+    for c in cells:
+        fixed = tuple((k, v) for k, v in c.hparams if k not in flags[c.algo])
+        groups.setdefault((c.env_id, c.algo, fixed), []).append(c)
+    packs = []
+    for (env_id, algo, fixed), members in groups.items():
+        swept_keys = sorted({k for c in members for k, _ in c.hparams if k in flags[algo]})
+        dims = [list(dict.fromkeys(c.epsilon for c in members)), *[
+            list(dict.fromkeys(dict(c.hparams)[k] for c in members)) for k in swept_keys],
+            list(dict.fromkeys(c.seed for c in members))]
+        chunks = [[d] for d in dims]  # per dimension, its chunks
+        while math.prod(max(len(x) for x in ch) for ch in chunks) > max(1, max_members):
+            i = max(range(len(chunks)), key=lambda j: max(len(x) for x in chunks[j]))
+            chunks[i] = [half for x in chunks[i] for half in ((x[:(len(x) + 1) // 2], x[(len(x) + 1) // 2:])
+                                                              if len(x) > 1 else (x,))]
+        for combo in itertools.product(*chunks):
+            eps, seeds, values = set(combo[0]), set(combo[-1]), [set(v) for v in combo[1:-1]]
+            inside = [c for c in members if c.epsilon in eps and c.seed in seeds and all(
+                dict(c.hparams)[k] in v for k, v in zip(swept_keys, values))]
+            if inside:
+                packs.append(Pack(env_id, algo, fixed, list(combo[0]), dict(zip(swept_keys, combo[1:-1])),
+                                  list(combo[-1]), inside))
+    return packs
+
+
+def pack_command(pack: Pack, settings: dict, out: Path, python: str, threads: int) -> list[str]:
+    """One process for the pack's members; the run-name template gives each member its cell's run directory."""
+    cmd = [python, ALGORITHMS[pack.algo][0], "--env-id", pack.env_id,
+           "--epsilons", *[fmt_value(float(e)) for e in pack.epsilons], "--seeds", *map(str, pack.seeds)]
     requested = {k: v for k, v in settings.items() if v is not None}
-    requested.update(dict(cell.hparams))
-    return requested
-
-
-def build_command(cell: Cell, settings: dict, out: Path, python: str, threads: int) -> list[str]:
-    cmd = [python, cell.script,
-           "--env-id", cell.env_id, "--epsilon", fmt_value(float(cell.epsilon)), "--seed", str(cell.seed)]
-    for key, value in cell_settings(cell, settings).items():
+    requested.update(dict(pack.fixed))
+    for key, value in requested.items():
         flag = "--" + key.replace("_", "-")
         if isinstance(value, bool):  # the scripts' boolean flags are --flag / --no-flag
             cmd.append(flag if value else "--no-" + flag[2:])
         else:
             cmd += [flag, format(value, ".15g") if isinstance(value, float) else str(value)]
-    run_dir = cell.run_dir(out)  # a script's --run-name is one directory name: the rest goes to --runs-dir
-    cmd += ["--threads", str(threads), "--runs-dir", str(run_dir.parent), "--run-name", run_dir.name]
+    for key, values in pack.swept.items():
+        cmd += ["--sweep", f"{key.replace('_', '-')}=" + ",".join(format(v, ".15g") if isinstance(v, float) else str(v)
+                                                                  for v in values)]
+    names = dict(pack.fixed) | {k: f"{{{k}}}" for k in pack.swept}
+    literal = lambda v: fmt_value(v).replace("{", "{{").replace("}", "}}")  # noqa: E731
+    config = pack.algo + ("__" + ",".join(f"{k}={names[k] if k in pack.swept else literal(names[k])}"
+                                          for k in sorted(names)) if names else "")
+    cmd += ["--threads", str(threads), "--skip-finished", "--runs-dir", str(out),
+            "--run-name", f"{pack.env_id}/eps{{epsilon}}/{config}/seed{{seed}}"]
     return cmd
+
+
+def cell_settings(cell: Cell, settings: dict) -> dict:
+    """Flags requested for this cell besides the cell identity: global settings overridden by hparams."""
+    requested = {k: v for k, v in settings.items() if v is not None}
+    requested.update(dict(cell.hparams))
+    return requested
 
 
 def parse_sweep(spec: str, algos: list[str]) -> dict[str, dict[str, list]]:
@@ -371,10 +445,11 @@ class Job:
     name: str
     cmd: list[str]
     log: Path
-    check: object  # callable () -> str | None (None = success)
-    cell: Cell | None = None
+    check: object  # callable () -> str | None (None = success); for a pack: () -> {cell: str | None}
+    cells: list = dataclasses.field(default_factory=list)  # a pack's pending cells (progress counts runs)
     proc: subprocess.Popen | None = None
     log_handle: object = None
+    out: Path | None = None  # a pack's --out
     start: float = 0.0
 
 
@@ -428,7 +503,7 @@ class Runner:
         self.repo, self.workers, self.heartbeat = Path(repo), max(1, workers), heartbeat
         self.already_done = already_done
         self.done = 0
-        self.failed: list[tuple[Job, str]] = []
+        self.failed: list[tuple[str, str, Path]] = []  # (run or job name, reason, log)
         self.durations: list[float] = []
 
     def _env(self) -> dict:
@@ -499,10 +574,13 @@ class Runner:
 
     def run(self, jobs: list[Job], total: int | None = None, label: str = "run") -> bool:
         """Run all jobs; returns False if interrupted. Failures are collected in self.failed."""
-        total = total if total is not None else len(jobs) + self.already_done
+        total = total if total is not None else sum(max(1, len(j.cells)) for j in jobs) + self.already_done
         queue = list(jobs)
         running: list[Job] = []
         t0 = last_print = time.time()
+
+        def runs(jobs: list) -> int:  # progress counts runs: a pack holds several
+            return sum(max(1, len(j.cells)) for j in jobs)
 
         def on_sigterm(signum, frame):  # SIGTERM/SIGHUP: stop the children like Ctrl-C
             raise KeyboardInterrupt
@@ -516,7 +594,8 @@ class Runner:
                     self._launch(job)
                     if job.proc is None:
                         running.remove(job)
-                        self.failed.append((job, "could not start"))
+                        self.failed += [(c.run_name, "could not start", job.log) for c in job.cells] or [
+                            (job.name, "could not start", job.log)]
                 for job in list(running):
                     rc = job.proc.poll()
                     if rc is None:
@@ -524,20 +603,27 @@ class Runner:
                     running.remove(job)
                     job.log_handle.close()
                     dt = time.time() - job.start
-                    problem = f"exit code {rc}" if rc != 0 else job.check()
-                    if problem is None:
-                        self.done += 1
-                        self.durations.append(dt)
-                        event = f"ok     {job.name} ({dt:.0f}s)"
+                    self.durations.append(dt / max(1, len(job.cells)))
+                    if job.cells:  # a pack: each member's own result decides
+                        problems = {c: p for c, p in job.check().items() if p is not None}
+                        self.done += len(job.cells) - len(problems)
+                        for c, p in problems.items():
+                            self.failed.append((c.run_name, p if rc == 0 else f"exit code {rc}, {p}", job.log))
+                            quarantine(Path(job.out) / c.run_name / RESULT_FILE)
+                        event = (f"ok     {job.name} ({dt:.0f}s)" if not problems else
+                                 f"FAILED {len(problems)} of {len(job.cells)} runs of {job.name} (log: {job.log})")
                     else:
-                        self.failed.append((job, problem))
-                        if job.cell is not None:
-                            quarantine(job.log.parent / RESULT_FILE)
-                        event = f"FAILED {job.name} ({problem}; log: {job.log})"
-                    self._progress(total, len(running), len(queue), t0, event)
+                        problem = f"exit code {rc}" if rc != 0 else job.check()
+                        if problem is None:
+                            self.done += 1
+                            event = f"ok     {job.name} ({dt:.0f}s)"
+                        else:
+                            self.failed.append((job.name, problem, job.log))
+                            event = f"FAILED {job.name} ({problem}; log: {job.log})"
+                    self._progress(total, runs(running), runs(queue), t0, event)
                     last_print = time.time()
                 if time.time() - last_print > self.heartbeat:
-                    self._progress(total, len(running), len(queue), t0)
+                    self._progress(total, runs(running), runs(queue), t0)
                     last_print = time.time()
                 time.sleep(0.05)
         except KeyboardInterrupt:
@@ -568,31 +654,36 @@ def write_atomic(path: Path, text: str, mode: int | None = None) -> None:
     os.replace(tmp, path)
 
 
-def slurm_line(cell: Cell, settings: dict, out: Path, python: str, threads: int) -> str:
-    run_dir = cell.run_dir(out)
-    cmd = build_command(cell, settings, out, python, threads)
-    return (f"mkdir -p {shlex.quote(str(run_dir))} && "
-            f"{shlex.join(cmd)} > {shlex.quote(str(run_dir / LOG_FILE))} 2>&1")
+def pack_log(pack: Pack, index: int, out: Path, stamp: str = "") -> Path:
+    """The log of pack `index` (stdout and stderr of its process); stamp: the invocation's, so a resume keeps the
+    logs of earlier attempts."""
+    return Path(out) / "logs" / f"{pack.env_id}__{pack.algo}__{index:03d}{stamp}.log"
 
 
-def write_slurm(cells: list[Cell], settings: dict, out: Path, repo: Path, python: str, threads: int,
+def slurm_line(pack: Pack, index: int, settings: dict, out: Path, python: str, threads: int) -> str:
+    log = pack_log(pack, index, out)
+    cmd = pack_command(pack, settings, out, python, threads)
+    return f"mkdir -p {shlex.quote(str(log.parent))} && {shlex.join(cmd)} > {shlex.quote(str(log))} 2>&1"
+
+
+def write_slurm(packs: list[Pack], settings: dict, out: Path, repo: Path, python: str, threads: int,
                 missing: dict[str, list[float]], opts: argparse.Namespace) -> Path:
     """Write <out>/slurm/{commands.txt, cells.tsv, grid_NNN.sbatch, [collect.sbatch], submit.sh}.
 
-    Cell i is line i+1 of commands.txt. The cells are split into job arrays of at most
-    --slurm-array-max tasks: array task t of grid_NNN.sbatch runs cell OFFSET+t, so every cell maps to
-    exactly one (script, array index) pair; cells.tsv lists the mapping."""
+    Pack i (one process, several runs as members) is line i+1 of commands.txt. The packs are split into job
+    arrays of at most --slurm-array-max tasks: array task t of grid_NNN.sbatch runs pack OFFSET+t, so every cell
+    maps to exactly one (script, array index) pair; cells.tsv lists the mapping."""
     sdir = Path(out) / "slurm"
     (sdir / "logs").mkdir(parents=True, exist_ok=True)
     for old in sdir.glob("grid_*.sbatch"):
         old.unlink()
     chunk = max(1, opts.slurm_array_max)
-    chunks = [(k, start, min(start + chunk, len(cells))) for k, start in enumerate(range(0, len(cells), chunk))]
-    lines = [slurm_line(c, settings, out, python, threads) for c in cells]
+    chunks = [(k, start, min(start + chunk, len(packs))) for k, start in enumerate(range(0, len(packs), chunk))]
+    lines = [slurm_line(pack, i, settings, out, python, threads) for i, pack in enumerate(packs)]
     write_atomic(sdir / "commands.txt", "\n".join(lines) + "\n")
-    write_atomic(sdir / "cells.tsv", "index\tsbatch\tarray_index\trun_dir\n" + "".join(
-        f"{i}\tgrid_{k:03d}.sbatch\t{i - start}\t{cells[i].run_dir(out)}\n"
-        for k, start, stop in chunks for i in range(start, stop)))
+    write_atomic(sdir / "cells.tsv", "pack\tsbatch\tarray_index\trun_dir\n" + "".join(
+        f"{i}\tgrid_{k:03d}.sbatch\t{i - start}\t{cell.run_dir(out)}\n"
+        for k, start, stop in chunks for i in range(start, stop) for cell in packs[i].cells))
     partition = f"#SBATCH --partition={opts.slurm_partition}\n" if opts.slurm_partition else ""
     throttle = f"%{opts.slurm_max_parallel}" if opts.slurm_max_parallel else ""
     header = "#!/bin/bash\n" + partition + f"#SBATCH --cpus-per-task=1\n#SBATCH --mem={opts.slurm_mem}\n"
@@ -602,8 +693,8 @@ def write_slurm(cells: list[Cell], settings: dict, out: Path, repo: Path, python
                   f"#SBATCH --job-name=brpo-grid-{k:03d}\n#SBATCH --time={opts.slurm_time}\n"
                   f"#SBATCH --array=0-{stop - start - 1}{throttle}\n"
                   f"#SBATCH --output={sdir}/logs/grid_{k:03d}_%a.out\n"
-                  "# Generated by benchmark/run_grid.py: array task t runs grid cell OFFSET+t, i.e. line\n"
-                  "# OFFSET+t+1 of commands.txt (cells.tsv maps cells to run directories).\n"
+                  "# Generated by benchmark/run_grid.py: array task t runs pack OFFSET+t (one process, its runs\n"
+                  "# as members), i.e. line OFFSET+t+1 of commands.txt (cells.tsv maps runs to packs).\n"
                   "set -euo pipefail\n"
                   f"OFFSET={start}\n"
                   "export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 PYTHONUNBUFFERED=1\n"
@@ -655,6 +746,8 @@ def make_parser() -> argparse.ArgumentParser:
     e = p.add_argument_group("execution")
     e.add_argument("--out", type=Path, default=DEFAULT_OUT, help="runs directory (--runs-dir of the scripts)")
     e.add_argument("--workers", type=int, default=1, help="parallel local processes")
+    e.add_argument("--max-members", type=int, default=100,
+                   help="most runs trained side by side in one process (1: one process per run)")
     e.add_argument("--dry-run", action="store_true", help="print the commands of unfinished runs and exit")
     e.add_argument("--no-collect", action="store_true", help="do not create missing datasets first")
     e.add_argument("--repo", type=Path, default=REPO_ROOT, help="directory holding the algorithm scripts")
@@ -687,7 +780,7 @@ def _main(opts: argparse.Namespace) -> int:
     algos = list(dict.fromkeys(canonical_algo(a) for a in opts.algos))
     epsilons = list(dict.fromkeys(float(e) for e in opts.epsilons))
     seeds = list(dict.fromkeys(opts.seeds))
-    for name, value in (("--workers", opts.workers), ("--threads", opts.threads)):
+    for name, value in (("--workers", opts.workers), ("--threads", opts.threads), ("--max-members", opts.max_members)):
         if value < 1:
             raise GridError(f"{name} must be >= 1")
     if opts.threads > (os.cpu_count() or 1):
@@ -735,8 +828,8 @@ def _main(opts: argparse.Namespace) -> int:
     if opts.dry_run:
         for env_id, eps in missing.items():
             print(shlex.join(collect_command(opts.python, env_id, eps)))
-        for cell in pending:
-            print(shlex.join(build_command(cell, settings, out, opts.python, opts.threads)))
+        for pack in pack_cells(pending, repo, opts.max_members):
+            print(shlex.join(pack_command(pack, settings, out, opts.python, opts.threads)))
         return 0
 
     if not pending:
@@ -744,10 +837,11 @@ def _main(opts: argparse.Namespace) -> int:
         return 0
 
     if opts.slurm:
-        sdir = write_slurm(pending, settings, out, repo, opts.python, opts.threads, missing, opts)
+        packs = pack_cells(pending, repo, opts.max_members)
+        sdir = write_slurm(packs, settings, out, repo, opts.python, opts.threads, missing, opts)
         log_invocation(out, opts, len(cells), len(pending))
         n_arrays = len(list(sdir.glob("grid_*.sbatch")))
-        print(f"wrote {n_arrays} job array script(s) for {len(pending)} runs in {sdir}; "
+        print(f"wrote {n_arrays} job array script(s) for {len(pending)} runs in {len(packs)} processes in {sdir}; "
               f"submit with: bash {sdir}/submit.sh")
         return 0
 
@@ -773,7 +867,7 @@ def _main(opts: argparse.Namespace) -> int:
                             else "dataset file(s) missing after collect_data.py"))
         runner = Runner(repo, opts.workers, heartbeat=opts.heartbeat)
         completed = runner.run(jobs, label="collection")
-        failed += [(j.name, r, j.log) for j, r in runner.failed]
+        failed += runner.failed
         if not completed:
             return report(failed, interrupted=True)
         # runs whose dataset could not be made are not started (a script would try to create it itself)
@@ -785,14 +879,18 @@ def _main(opts: argparse.Namespace) -> int:
     # 2) algorithm runs
     for cell in pending:
         quarantine(cell.run_dir(out) / RESULT_FILE)  # an invalid/stale result must never look finished
-    jobs = [Job(name=cell.run_name, cmd=build_command(cell, settings, out, opts.python, opts.threads),
-                log=cell.run_dir(out) / LOG_FILE, cell=cell,
-                check=lambda cell=cell: check_result(cell.run_dir(out) / RESULT_FILE, cell,
-                                                     cell_settings(cell, settings)))
-            for cell in pending]
+    packs = pack_cells(pending, repo, opts.max_members)
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("__%Y%m%d-%H%M%S")
+    print(f"{len(pending)} runs in {len(packs)} processes (at most {opts.max_members} runs each)", flush=True)
+    jobs = [Job(name=f"{pack.env_id} {pack.algo} ({len(pack.cells)} runs)",
+                cmd=pack_command(pack, settings, out, opts.python, opts.threads), log=pack_log(pack, i, out, stamp),
+                cells=pack.cells, out=out,
+                check=lambda pack=pack: {c: check_result(c.run_dir(out) / RESULT_FILE, c, cell_settings(c, settings))
+                                         for c in pack.cells})
+            for i, pack in enumerate(packs)]
     runner = Runner(repo, opts.workers, already_done=len(finished), heartbeat=opts.heartbeat)
     completed = runner.run(jobs, total=len(cells))
-    failed += [(j.name, r, j.log) for j, r in runner.failed]
+    failed += runner.failed
     return report(failed, interrupted=not completed,
                   summary=f"{len(finished) + runner.done}/{len(cells)} runs finished")
 

@@ -83,30 +83,36 @@ def test_bcq_allowed_set_is_the_ratio_rule(bcq):
     assert torch.equal(bcq.allowed_actions(logits, bcq.log_threshold(1.0)).sum(1), torch.ones(500, dtype=torch.long))
 
 
+def bcq_towers(bcq, obs_dim, n_actions):
+    """One member's Q and G networks as bcq_discrete.py stacks them (networks 0 and 1)."""
+    return bcq.common.Stack([bcq.QNetwork(obs_dim, n_actions).net, bcq.QNetwork(obs_dim, n_actions).net])
+
+
 def test_bcq_acts_and_bootstraps_only_on_allowed_actions(bcq):
     torch.manual_seed(0)
-    net, target = bcq.BCQNetwork(4, 3), bcq.BCQNetwork(4, 3)
+    net, target = bcq_towers(bcq, 4, 3), bcq_towers(bcq, 4, 3)
     with torch.no_grad():  # make the imitation net confident and the Q-net prefer other actions
-        net.w2[1].mul_(20.0)
-        net.w2[0].mul_(-50.0)
-        target.w2[0].mul_(1e6)  # huge finite target values must not leak NaN either
+        net.layers[2][0][1].mul_(20.0)
+        net.layers[2][0][0].mul_(-50.0)
+        target.layers[2][0][0].mul_(1e6)  # huge finite target values must not leak NaN either
     obs = torch.randn(2000, 4) * 2
     log_tau = bcq.log_threshold(0.3)
     with torch.no_grad():
-        q, logits = net(obs)
+        q, logits = (x[0] for x in bcq.towers(net, obs[None]))
         allowed = bcq.allowed_actions(logits, log_tau)
         assert not allowed.all(), "test needs disallowed actions"
         assert (q.argmax(1) != bcq.masked_argmax(q, allowed)).any(), "test needs the unconstrained argmax to be disallowed"
-        actions = torch.as_tensor(bcq.greedy_policy(net, log_tau)(obs.numpy()))
+        actions = bcq.greedy_policy(net, log_tau)(obs[None])[0]
         assert allowed.gather(1, actions[:, None]).all()
         best_allowed = torch.where(allowed, q, -math.inf).max(1).values
         assert torch.equal(q.gather(1, actions[:, None]).squeeze(1), best_allowed)
 
         rewards, not_done = torch.randn(2000), (torch.rand(2000) > 0.1).float()
-        y, next_allowed = bcq.bcq_target(net, target, obs, rewards, not_done, 0.99, log_tau)
+        y, next_allowed = (x[0] for x in bcq.bcq_target(net, target, obs[None], rewards[None], not_done[None], 0.99,
+                                                         log_tau))
         assert torch.equal(next_allowed, allowed) and torch.isfinite(y).all()
         # The target is the TARGET network's value of the ONLINE network's best allowed action.
-        q_target = target(obs)[0]
+        q_target = bcq.towers(target, obs[None])[0][0]
         expected = rewards + 0.99 * q_target.gather(1, actions[:, None]).squeeze(1) * not_done
         assert torch.equal(y, expected)
         # ... never the value of the unconstrained choice when that one is disallowed.
@@ -120,16 +126,15 @@ def test_bcq_acts_and_bootstraps_only_on_allowed_actions(bcq):
 
 def test_bcq_networks_are_two_independent_towers(bcq):
     torch.manual_seed(1)
-    net = bcq.BCQNetwork(4, 2)
+    q_net, g_net = bcq.QNetwork(4, 2), bcq.QNetwork(4, 2)
+    net = bcq.common.Stack([q_net.net, g_net.net])
     x = torch.randn(7, 4)
-    q, logits = net(x)
-    for tower, out in ((0, q), (1, logits)):
-        h = torch.relu(x @ net.w0[tower] + net.b0[tower])
-        h = torch.relu(h @ net.w1[tower] + net.b1[tower])
-        assert torch.allclose(out, h @ net.w2[tower] + net.b2[tower], atol=1e-6)
+    q, logits = (out[0] for out in bcq.towers(net, x[None]))
+    for tower, out in ((q_net, q), (g_net, logits)):  # each tower is exactly the network it was built from
+        assert torch.allclose(out, tower(x), atol=1e-6)
     # The imitation loss alone moves G only.
     torch.nn.functional.cross_entropy(logits, torch.tensor([0, 1, 0, 1, 0, 1, 0])).backward()
-    assert all(p.grad[0].abs().sum() == 0 and p.grad[1].abs().sum() > 0 for p in net.parameters())
+    assert net.flat.grad[0].abs().sum() == 0 and net.flat.grad[1].abs().sum() > 0
 
 
 # ----------------------------------------------------------------------------------------------
@@ -209,12 +214,12 @@ def test_spibb_target_is_expectation_under_pi_spibb(spibb, epsilon):
     next_q = torch.randn(n, n_actions, generator=g) * 100
     beta = random_beta(n, n_actions, epsilon, g)
     for threshold in (0.0, 0.2, 0.4, 1.0):
-        y = spibb.spibb_target(rewards, not_done, next_q, *spibb.spibb_constants(beta, threshold), 0.99)
+        y = spibb.spibb_target(rewards, not_done, next_q, beta, threshold, 0.99)
         pi = spibb.spibb_policy(next_q, beta, threshold)
         assert torch.isfinite(y).all()
         assert torch.allclose(y, rewards + 0.99 * (pi * next_q).sum(1) * not_done, atol=1e-3)
     dqn = rewards + 0.99 * next_q.max(1).values * not_done
-    assert torch.equal(spibb.spibb_target(rewards, not_done, next_q, *spibb.spibb_constants(beta, 0.0), 0.99), dqn)
+    assert torch.equal(spibb.spibb_target(rewards, not_done, next_q, beta, 0.0, 0.99), dqn)
 
 
 def test_spibb_beta_from_behaviour_network_matches_dataset(spibb, data):
@@ -237,14 +242,14 @@ def test_spibb_evaluation_policy(spibb, data, tmp_path):
     beta = behavior(torch.from_numpy(obs)).float()
     pi = spibb.spibb_policy(q_network(torch.from_numpy(obs)).detach(), beta, 0.2)
     assert torch.allclose(pi, beta)
-    sampled = spibb.make_policy(q_network, behavior, 0.2, False, 7)
-    sampled.reset()
-    a1 = sampled(obs)
-    sampled.reset()
-    assert np.array_equal(a1, sampled(obs))
-    assert (pi.numpy()[np.arange(len(obs)), a1] > 0).all() and (a1 != beta.argmax(1).numpy()).any()
-    greedy = spibb.make_policy(q_network, behavior, 0.2, True, 7)
-    assert np.array_equal(greedy(obs), pi.argmax(1).numpy())
+    q, member_beta = spibb.common.Stack([q_network.net]), lambda o: behavior(o[0])[None]  # one member
+    u = torch.rand(len(obs), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        a1 = spibb.make_policy(q, member_beta, 0.2, False)(torch.from_numpy(obs)[None], u)[0].numpy()
+        assert np.array_equal(a1, spibb.make_policy(q, member_beta, 0.2, False)(torch.from_numpy(obs)[None], u)[0].numpy())
+        assert (pi.numpy()[np.arange(len(obs)), a1] > 0).all() and (a1 != beta.argmax(1).numpy()).any()
+        greedy = spibb.make_policy(q, member_beta, 0.2, True)(torch.from_numpy(obs)[None], u)[0].numpy()
+    assert np.array_equal(greedy, pi.argmax(1).numpy())
 
 
 # ----------------------------------------------------------------------------------------------

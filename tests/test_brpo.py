@@ -19,6 +19,22 @@ from test_common import load_script
 TINY = ["--total-steps", "300", "--eval-frequency", "100", "--eval-episodes", "2"]
 
 
+def one_member(mod, args):
+    """The flags of one run as the member columns the method's functions read."""
+    return common.columns([args], *mod.FLAGS)
+
+
+def candidate1(mod, beta, lam, w, args, n_updates, unit):
+    """mod.candidate for one run's states [B, |A|] (the functions take members [M, B, |A|])."""
+    p = one_member(mod, args)
+    rho, tau = mod.candidate(beta[None], lam[None], w[None], p, p.pessimism, n_updates, np.array([float(unit)]))
+    return rho[0], tau[0]
+
+
+def solver_advantage1(mod, w, beta, args, unit):
+    return mod.solver_advantage(w[None], beta[None], one_member(mod, args), np.array([float(unit)]))[0]
+
+
 @pytest.fixture(scope="module")
 def brpo():
     return load_script("brpo.py")
@@ -468,18 +484,18 @@ def test_advantage_unit_makes_rho_scale_free(script):
     beta /= beta.sum(1, keepdims=True)
     w, lam = rng.normal(size=(20, 3)), rng.random((20, 3))
     args = mod.Args(kappa_max=1.0, kappa_scale=0.02, kappa_decay=1.0, pessimism=0.0)
-    rho, tau = mod.candidate(beta, lam, w, args, 0, 0.5)
+    rho, tau = candidate1(mod, beta, lam, w, args, 0, 0.5)
     # rewards x 1000 -> advantages and their unit x 1000: the same candidate policy
-    rho_big, _ = mod.candidate(beta, lam, 1000.0 * w, args, 0, 500.0)
+    rho_big, _ = candidate1(mod, beta, lam, 1000.0 * w, args, 0, 500.0)
     assert np.allclose(rho, rho_big, atol=1e-12) and np.allclose(tau, 0.99 * 0.02 / 0.02)
     # it is the relative softmax of W / unit
     ref = beta * np.exp(lam * (w / 0.5) / tau[:, None])
     assert np.allclose(rho, ref / ref.sum(1, keepdims=True), atol=1e-12)
     # --no-advantage-unit: the paper's raw W, the unit is ignored
     raw = mod.Args(kappa_max=1.0, kappa_scale=0.02, kappa_decay=1.0, advantage_unit=False, pessimism=0.0)
-    assert np.allclose(mod.candidate(beta, lam, w, raw, 0, 0.5)[0], mod.candidate(beta, lam, w, raw, 0, 123.0)[0])
+    assert np.allclose(candidate1(mod, beta, lam, w, raw, 0, 0.5)[0], candidate1(mod, beta, lam, w, raw, 0, 123.0)[0])
     # a zero unit (constant critic) is floored, never a division by zero
-    rho0, _ = mod.candidate(beta, lam, w, args, 0, 0.0)
+    rho0, _ = candidate1(mod, beta, lam, w, args, 0, 0.0)
     assert np.isfinite(rho0).all() and np.allclose(rho0.sum(1), 1.0)
 
 
@@ -494,8 +510,8 @@ def test_pessimism(script):
     beta /= beta.sum(1, keepdims=True)
     w, lam = 3.0 * rng.normal(size=(30, 3)), rng.random((30, 3))
     off, on = mod.Args(pessimism=0.0), mod.Args(pessimism=1.0)
-    rho_off, tau = mod.candidate(beta, lam, w, off, 0, 1.0)
-    rho_on, _ = mod.candidate(beta, lam, w, on, 0, 1.0)
+    rho_off, tau = candidate1(mod, beta, lam, w, off, 0, 1.0)
+    rho_on, _ = candidate1(mod, beta, lam, w, on, 0, 1.0)
     pos = beta > 0
     ref = np.where(pos, beta * np.exp(lam * (w - 1.0 / np.sqrt(np.where(pos, beta, 1.0))) / tau[:, None]), 0.0)
     assert np.allclose(rho_on, ref / ref.sum(1, keepdims=True), atol=1e-12)
@@ -504,10 +520,10 @@ def test_pessimism(script):
     lam1 = np.repeat(lam[:, :1], 3, 1)
     rare = np.where(pos, beta, np.inf).argmin(1)
     rows = np.arange(30)
-    assert (mod.candidate(beta, lam1, w, on, 0, 1.0)[0][rows, rare] <= mod.candidate(beta, lam1, w, off, 0, 1.0)[0][rows, rare] + 1e-12).all()
+    assert (candidate1(mod, beta, lam1, w, on, 0, 1.0)[0][rows, rare] <= candidate1(mod, beta, lam1, w, off, 0, 1.0)[0][rows, rare] + 1e-12).all()
     # uniform beta and a state-constant lambda: the correction is a constant per state, rho is unchanged
     uni = np.full((30, 3), 1.0 / 3.0)
-    assert np.allclose(mod.candidate(uni, lam1, w, on, 0, 1.0)[0], mod.candidate(uni, lam1, w, off, 0, 1.0)[0], atol=1e-12)
+    assert np.allclose(candidate1(mod, uni, lam1, w, on, 0, 1.0)[0], candidate1(mod, uni, lam1, w, off, 0, 1.0)[0], atol=1e-12)
 
 
 
@@ -534,18 +550,18 @@ def test_solver_advantage(brpo):
     beta /= beta.sum(1, keepdims=True)
     w = 5.0 * rng.normal(size=(40, 4))
     on = brpo.Args(pessimism=1.0)
-    assert np.array_equal(brpo.solver_advantage(w, beta, brpo.Args(pessimism=0.0), 2.0), w)
-    got = brpo.solver_advantage(w, beta, on, 2.0)
+    assert np.array_equal(solver_advantage1(brpo, w, beta, brpo.Args(pessimism=0.0), 2.0), w)
+    got = solver_advantage1(brpo, w, beta, on, 2.0)
     assert np.isfinite(got).all()
     assert np.allclose((beta * got).sum(1), (beta * w).sum(1), atol=1e-9)
     pos = beta[:, :3] > 0
     inv = 1.0 / np.sqrt(beta[:, :3])
     assert np.allclose(np.where(pos, got[:, :3] - w[:, :3], 0.0), np.where(pos, -2.0 * (inv - (beta * np.where(beta > 0, 1.0 / np.sqrt(np.where(beta > 0, beta, 1.0)), 0.0)).sum(1, keepdims=True)), 0.0))
     uni = np.full((40, 4), 0.25)
-    assert np.allclose(brpo.solver_advantage(w, uni, on, 2.0), w, atol=1e-12)
+    assert np.allclose(solver_advantage1(brpo, w, uni, on, 2.0), w, atol=1e-12)
     # raw W (--no-advantage-unit): the correction is in raw units, the unit is ignored
     raw = brpo.Args(pessimism=1.0, advantage_unit=False)
-    assert np.allclose(brpo.solver_advantage(w, beta, raw, 7.0), brpo.solver_advantage(w, beta, on, 1.0))
+    assert np.allclose(solver_advantage1(brpo, w, beta, raw, 7.0), solver_advantage1(brpo, w, beta, on, 1.0))
 
 
 def test_solver_keeps_the_pessimistic_move(brpo):
@@ -555,12 +571,12 @@ def test_solver_keeps_the_pessimistic_move(brpo):
     args = brpo.Args()
     beta = np.tile([0.875, 0.125], (8, 1))
     w = np.tile([-0.3, 0.2], (8, 1))  # critic: rare action better by 0.5 units (less than the ~1.76 pessimism gap)
-    rho, _ = brpo.candidate(beta, np.ones((8, 2)), w, args, 0, 1.0)
+    rho, _ = candidate1(brpo, beta, np.ones((8, 2)), w, args, 0, 1.0)
     d = rho - beta
     assert (d[:, 0] > 0).all()  # rho moved towards the usual action
     k = brpo.penalty_weight(64, 0.99, 0.9) * 0.1
     assert np.all(brpo.solve_confidence(d, w, k) == 0.0)
-    assert np.all(brpo.solve_confidence(d, brpo.solver_advantage(w, beta, args, 1.0), k) > 0.5)
+    assert np.all(brpo.solve_confidence(d, solver_advantage1(brpo, w, beta, args, 1.0), k) > 0.5)
 
 
 def test_penalty_scale_zero_is_the_unpenalised_lp(brpo):
@@ -692,20 +708,23 @@ def test_residual_policy_is_distribution_anywhere(brpo, epsilon):
     weights = {f"w{i}": rng.normal(size=s).astype(np.float32) for i, s in enumerate([(32, obs_dim), (16, 32), (n_actions, 16)])}
     weights.update({f"b{i}": rng.normal(size=s[0]).astype(np.float32) for i, s in enumerate([(32,), (16,), (n_actions,)])})
     behavior = common.BehaviorPolicy(weights, epsilon)
-    q_network, confidence = brpo.QNetwork(obs_dim, n_actions), brpo.ConfidenceNetwork(obs_dim, n_actions)
+    q_net, confidence_net = brpo.QNetwork(obs_dim, n_actions), brpo.ConfidenceNetwork(obs_dim, n_actions)
     with torch.no_grad():  # a critic with huge values and a confident lambda net
-        q_network.net[4].weight.mul_(1e4)
-        confidence.net[4].bias.fill_(3.0)
+        q_net.net[4].weight.mul_(1e4)
+        confidence_net.net[4].bias.fill_(3.0)
+    q_network, confidence = common.Stack([q_net.net]), common.Stack([confidence_net.net], output=torch.sigmoid)
     args = brpo.Args(kappa_max=0.01, kappa_decay=0.999)
+    p = one_member(brpo, args)
     obs = torch.as_tensor(rng.normal(size=(500, obs_dim)) * np.array([1, 10, 100, 1e3, 1e4, 1e5]), dtype=torch.float32)
     beta = behavior(obs)
     for n_updates, unit in ((0, 1.0), (10_000, 1e-3), (10_000, 0.0)):  # unit 0: a constant critic's gap
-        pi = brpo.policy_probs(obs, beta, q_network, confidence, args, n_updates, unit)
+        pi = torch.from_numpy(brpo.policy_probs(obs[None], beta.numpy()[None], q_network, confidence, p, p.pessimism,
+                                                n_updates, np.array([unit]))[0])
         with torch.no_grad():  # pi's parts, as policy_probs builds them
-            q = q_network(obs).double().numpy()
+            q = q_net(obs).double().numpy()
             w = q - brpo.mixed_value(q, beta.numpy(), args.mu)[:, None]
-            lam_tilde = confidence(obs).double().numpy()
-        rho = brpo.candidate(beta.numpy(), lam_tilde, w, args, n_updates, unit)[0]
+            lam_tilde = torch.sigmoid(confidence_net.net(obs)).double().numpy()
+        rho = candidate1(brpo, beta.numpy(), lam_tilde, w, args, n_updates, unit)[0]
         lam = torch.from_numpy(brpo.project_confidence(lam_tilde, rho - beta.numpy()))
         rho = torch.from_numpy(rho)
         assert np.isfinite(w).all()
@@ -809,13 +828,14 @@ def test_brpo_c_differs_only_in_confidence():
     brpo, brpo_c = top_level(REPO / "brpo.py"), top_level(REPO / "brpo_c.py")
     # every function and class the two files share is verbatim the same, except where the confidence enters
     differ = {name for name in brpo.keys() & brpo_c.keys() if brpo[name] != brpo_c[name]}
-    assert differ == {"Args", "check_args", "policy_probs", "load_confidence", "train"}
+    assert differ == {"Args", "check_args", "policy_probs", "load_policy", "train"}
     assert set(brpo_c) - set(brpo) == {"ConstantConfidence"}
     brpo_src, c_src = (REPO / "brpo.py").read_text().splitlines(), set((REPO / "brpo_c.py").read_text().splitlines())
     # inside train, the critic update, the target update and the evaluation are verbatim the same lines
-    for needle in ("next_v = mixed_value(next_q, next_beta[idx], args.mu)", "td_target = torch.addcmul(r, torch.from_numpy(next_v), boot)",
-                   "s, next_s, r, boot = obs[ti], next_obs[ti], rewards[ti], bootstrap[ti]", "tp.lerp_(p, args.tau)", "returns = evaluate(act, eval_envs, args.eval_seed) if eval_envs", "level, certificate = common.choose_level(",
-                   "unit = advantage_unit(q_np, q_max) if step == 1", "q_grad, td_error = critic_output_grad("):
+    for needle in ("next_v = mixed_value(next_q, next_beta[idx], mu32", "td_target = torch.addcmul(rewards[idx], next_v",
+                   "common.soft_update(step, target_network, q_network, period, tau)", "runs.log(step, {\"charts/deployed_pi\": deploy_pi",
+                   "level, certificates[m] = common.choose_level(", "unit = batch_unit if step == 1",
+                   "q_grad, td_error = critic_output_grad("):
         line = next(line for line in brpo_src if needle in line)
         assert line in c_src
 

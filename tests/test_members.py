@@ -1,0 +1,173 @@
+"""Many runs in one process (common.Members): a member is the same algorithm as the run with its seed alone, members
+fail alone, each writes its own run directory, and the batched evaluation scores what one simulator per episode
+scores."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+
+import gymnasium as gym
+import numpy as np
+import pytest
+import torch
+
+import common
+from conftest import ALGORITHMS, run
+from test_common import REPO, load_script
+
+TINY = dict(total_steps=300, eval_frequency=100, eval_episodes=2, tensorboard=False)
+
+
+@pytest.fixture
+def task_datasets(datasets, tmp_path, monkeypatch):
+    """The tiny datasets at their default paths (datasets/<env>_eps<e>.npz) of a repo in tmp_path, so that --epsilons
+    trains on them."""
+    (tmp_path / "datasets").mkdir()
+    for eps, path in datasets.items():
+        shutil.copy(path, tmp_path / "datasets" / f"CartPole-v1_eps{eps:g}.npz")
+    monkeypatch.setattr(common, "REPO", tmp_path)
+    return tmp_path
+
+
+def recorded_losses(module, monkeypatch, **flags) -> dict:
+    """Train in this process and record every member's logged training scalars at every update."""
+    seen = {}
+
+    def log(self, step, scalars, every=100):
+        for name, values in scalars.items():
+            seen.setdefault(name, []).append(np.asarray(torch.as_tensor(values).detach().double()))
+    monkeypatch.setattr(common.Members, "log", log)
+    module.main(dataclasses.replace(module.Args(), **{**TINY, **flags}))
+    return {name: np.stack(v) for name, v in seen.items()}  # name -> [updates, members]
+
+
+@pytest.mark.parametrize("name", ALGORITHMS)
+def test_a_member_is_the_run_with_its_seed_alone(name, task_datasets, tmp_path, monkeypatch):
+    """Members train on their own datasets with their own seeds: the same losses as the single runs over the first
+    1,000 updates (float tolerance: batched kernels), and the same evaluations."""
+    module = load_script(name)
+    flags = dict(total_steps=1000, eval_frequency=500, runs_dir=str(tmp_path / "runs"))
+    together = recorded_losses(module, monkeypatch, seeds=(1, 2), epsilons=(0.15, 1.0), run_name="{epsilon}/{seed}",
+                               **flags)
+    for m, (eps, seed) in enumerate([(0.15, 1), (0.15, 2), (1.0, 1), (1.0, 2)]):
+        alone = recorded_losses(module, monkeypatch, seed=seed, epsilon=eps, run_name=f"alone{eps:g}_{seed}", **flags)
+        for loss in ("losses/td_loss", "losses/nll"):
+            if loss in alone:
+                np.testing.assert_allclose(together[loss][:, m], alone[loss][:, 0], rtol=1e-4, atol=1e-6)
+        member = json.loads((tmp_path / "runs" / f"{eps:g}" / str(seed) / "result.json").read_text())
+        single = json.loads((tmp_path / "runs" / f"alone{eps:g}_{seed}" / "result.json").read_text())
+        assert (member["seed"], member["epsilon"], member["args"]["seed"]) == (seed, eps, seed)
+        assert member["args"]["seeds"] is None and member["args"]["sweep"] == []  # the single run's schema
+        assert set(member) == set(single) and member["members"] == 4 and single["members"] == 1
+        assert [e["step"] for e in member["evaluations"]] == [e["step"] for e in single["evaluations"]]
+
+
+def test_minibatches_and_initial_weights_are_the_single_runs():
+    """Member m draws torch.randint(n_m, (batch,)) from a generator seeded with its seed, as the run alone does,
+    and starts from the weights nn.Linear gives after torch.manual_seed(seed)."""
+    class Fake:
+        def __init__(self, seed):
+            self.seed, self.batch_size = seed, 8
+    members = object.__new__(common.Members)
+    members.args, members.first, members.sizes = [Fake(3), Fake(5)], Fake(3), [50, 70]
+    members.offsets = torch.tensor([[0], [50]])
+    members.generators = [torch.Generator().manual_seed(3), torch.Generator().manual_seed(5)]
+    alone = [torch.Generator().manual_seed(3), torch.Generator().manual_seed(5)]
+    for step in range(1, 2500):
+        idx = members.minibatch(step)
+        assert torch.equal(idx[0], torch.randint(50, (8,), generator=alone[0]))
+        assert torch.equal(idx[1] - 50, torch.randint(70, (8,), generator=alone[1]))
+    nets = members.build(lambda: [torch.nn.Sequential(torch.nn.Linear(4, 32), torch.nn.ReLU(), torch.nn.Linear(32, 2))])
+    stack = common.Stack(nets[0])
+    for k, seed in enumerate((3, 5)):
+        torch.manual_seed(seed)
+        ref = torch.nn.Sequential(torch.nn.Linear(4, 32), torch.nn.ReLU(), torch.nn.Linear(32, 2))
+        assert all(torch.equal(a, b) for a, b in zip(stack.state_dict(k).values(), ref.state_dict().values()))
+        x = torch.randn(10, 4)
+        assert torch.allclose(stack(x.expand(2, 10, 4))[k], ref(x), atol=1e-6)
+
+
+def test_adam_is_torch_adam_per_member():
+    """common.Adam with each member's learning rate is torch.optim.Adam on each network alone."""
+    torch.manual_seed(0)
+    nets = [torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.ReLU(), torch.nn.Linear(5, 2)) for _ in range(2)]
+    refs = [torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.ReLU(), torch.nn.Linear(5, 2)) for _ in range(2)]
+    for net, ref in zip(nets, refs):
+        ref.load_state_dict(net.state_dict())
+    stack, lrs = common.Stack(nets), (1e-3, 3e-2)
+    adam = common.Adam(stack, torch.tensor([[lrs[0]], [lrs[1]]]))
+    ref_adams = [torch.optim.Adam(r.parameters(), lr=lr) for r, lr in zip(refs, lrs)]
+    for _ in range(50):
+        x = torch.randn(2, 16, 3)
+        stack(x).square().mean((1, 2)).sum().backward()
+        adam.step()
+        for k, (ref, opt) in enumerate(zip(refs, ref_adams)):
+            opt.zero_grad()
+            ref(x[k]).square().mean().backward()
+            opt.step()
+    for k, ref in enumerate(refs):
+        for a, b in zip(stack.state_dict(k).values(), ref.state_dict().values()):
+            assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_a_diverging_member_fails_alone(datasets, tmp_path):
+    """--sweep learning-rate=1e-3,1e30: the second member's weights overflow; it fails in one line and leaves no
+    result.json, the first finishes; the exit status says a run failed."""
+    proc = run([REPO / "dqn_offline.py", "--dataset-path", datasets[0.15], "--runs-dir", tmp_path, "--run-name",
+                "lr{learning_rate}", "--sweep", "learning-rate=0.001,1e30", "--total-steps", "300",
+                "--eval-frequency", "100", "--eval-episodes", "2", "--no-tensorboard"])
+    assert proc.returncode == 1, proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(errors) == 1 and "lr1e+30" in errors[0] and "training diverged" in errors[0]
+    assert (tmp_path / "lr0.001" / "result.json").is_file()
+    assert not (tmp_path / "lr1e+30" / "result.json").exists()
+    result = json.loads((tmp_path / "lr0.001" / "result.json").read_text())
+    assert result["args"]["learning_rate"] == 0.001 and result["members"] == 2
+
+
+def test_member_names_sweeps_and_skip_finished(datasets, tmp_path):
+    base = [REPO / "klq.py", "--dataset-path", datasets[0.15], "--runs-dir", tmp_path, "--total-steps", "200",
+            "--eval-frequency", "100", "--eval-episodes", "2", "--no-tensorboard"]
+    proc = run([*base, "--seeds", "1", "2", "--sweep", "kl-weight=0,0.3", "--run-name", "w{kl_weight}/s{seed}"])
+    assert proc.returncode == 0, proc.stderr
+    dirs = sorted(str(p.parent.relative_to(tmp_path)) for p in tmp_path.rglob("result.json"))
+    assert dirs == ["w0.3/s1", "w0.3/s2", "w0/s1", "w0/s2"]
+    assert json.loads((tmp_path / "w0.3" / "s2" / "result.json").read_text())["args"]["kl_weight"] == 0.3
+    # a template that names two members alike, a flag no member may vary, a finished run: one line each
+    for extra, message in ((["--seeds", "1", "2", "--run-name", "same"], "gives several members the same directory"),
+                           (["--sweep", "batch-size=32,64"], "--sweep 'batch-size=32,64': expected FLAG=V1,V2"),
+                           (["--sweep", "kl-weight=a,b"], "takes float values"),
+                           (["--seeds", "1", "2", "--run-name", "{nope}"], "a template may name"),
+                           (["--seeds", "1", "--run-name", "w0/s1"], "holds a finished run")):
+        bad = run([*base, *extra])
+        assert bad.returncode == 1 and bad.stderr.count("\n") == 1 and message in bad.stderr, (extra, bad.stderr)
+    # --skip-finished trains only what is missing
+    (tmp_path / "w0" / "s1" / "result.json").unlink()
+    proc = run([*base, "--seeds", "1", "2", "--sweep", "kl-weight=0,0.3", "--run-name", "w{kl_weight}/s{seed}",
+                "--skip-finished"])
+    assert proc.returncode == 0 and proc.stdout.count("skipped") == 3 and (tmp_path / "w0" / "s1" / "result.json").is_file()
+
+
+@pytest.mark.parametrize("env_id", ["CartPole-v1", "Acrobot-v1"])
+def test_batched_evaluation_scores_what_one_simulator_per_episode_scores(env_id):
+    """Simulators (gymnasium's vectorised CartPole with its state set to the start states, or a list of
+    environments) returns, for every copy, the returns of the plain loop over env.reset(seed=seed + i)."""
+    env = gym.make(env_id)
+    dim, n_actions = env.observation_space.shape[0], env.action_space.n
+    w = torch.randn(3, dim, n_actions, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+
+    def act(obs, u):  # three different deterministic policies, one per copy
+        return (obs.double() @ w).argmax(-1)
+
+    got = common.Simulators(env_id, 3, 6, 123).run(act, 0)
+    for m in range(3):
+        for i in range(6):
+            obs, _ = env.reset(seed=123 + i)
+            total, done = 0.0, False
+            while not done:
+                a = int((torch.as_tensor(obs, dtype=torch.float32).double() @ w[m]).argmax())
+                obs, r, term, trunc, _ = env.step(a)
+                total, done = total + r, term or trunc
+            assert got[m, i] == total, (m, i)
