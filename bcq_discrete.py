@@ -41,7 +41,6 @@ if __name__ == "__main__":  # an interrupt while the libraries below load has no
                                                    file=sys.stderr), os._exit(130)))
     signal.signal(signal.SIGTERM, signal.getsignal(signal.SIGINT))
 
-import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -101,14 +100,15 @@ def masked_argmax(q: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
     return torch.where(allowed, q, MASK_VALUE).argmax(-1)
 
 
-def bcq_target(network: common.Stack, target_network: common.Stack, next_obs: torch.Tensor, rewards: torch.Tensor,
+def bcq_target(network: common.Stack, target_q_network: common.Stack, next_obs: torch.Tensor, rewards: torch.Tensor,
                not_done: torch.Tensor, gamma, log_tau) -> tuple[torch.Tensor, torch.Tensor]:
     """y = r + gamma * (1 - terminal) * Q_target(s', a'), a' = the online network's best allowed action
-    at s' (allowed by the online G). Returns y and the allowed-action mask at s'."""
+    at s' (allowed by the online G). target_q_network: the target's Q towers. Returns y and the allowed-action mask
+    at s'."""
     next_q, next_logits = towers(network, next_obs)
     allowed = allowed_actions(next_logits, log_tau)
     next_action = masked_argmax(next_q, allowed)
-    target_q = towers(target_network, next_obs)[0].gather(-1, next_action.unsqueeze(-1)).squeeze(-1)
+    target_q = target_q_network(next_obs).gather(-1, next_action.unsqueeze(-1)).squeeze(-1)
     return rewards + gamma * target_q * not_done, allowed
 
 
@@ -181,7 +181,8 @@ def train(runs: common.Members) -> None:
 
     build = lambda: [QNetwork(runs.obs_dim, runs.n_actions).net, QNetwork(runs.obs_dim, runs.n_actions).net]  # noqa
     network = common.Stack([net for nets in zip(*runs.build(build)) for net in nets])  # Q_1, G_1, Q_2, G_2, ...
-    target_network = network.copy()  # only its Q-values are used
+    target_network = network.copy()
+    target_q_network = target_network.part(slice(0, None, 2))  # only the target's Q-values are used
     # one optimizer on the summed loss, as in the authors' code
     optimizer = common.Adam(network, pair(runs.column("learning_rate")))
     act = greedy_policy(network, log_tau)
@@ -190,7 +191,7 @@ def train(runs: common.Members) -> None:
         idx = runs.minibatch(step)  # [M, batch]
         batch_actions = actions[idx].unsqueeze(-1)
         with torch.no_grad():
-            td_target, next_allowed = bcq_target(network, target_network, next_obs[idx], rewards[idx], not_done[idx],
+            td_target, next_allowed = bcq_target(network, target_q_network, next_obs[idx], rewards[idx], not_done[idx],
                                                  gamma, log_tau)
         q_all, logits = towers(network, obs[idx])
         q = q_all.gather(-1, batch_actions).squeeze(-1)

@@ -24,7 +24,7 @@ import math
 import os
 import signal
 import sys
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -38,7 +38,7 @@ import torch
 import torch.nn as nn
 
 import common
-from common import fail, load_checkpoint
+from common import load_checkpoint
 
 
 # --sweep may vary these (and --learning-rate, --gamma, --tau, --target-update-frequency) between the members of one
@@ -155,11 +155,11 @@ def candidate_policy(beta, lam, w, temp, log_beta=None):
     return e / e.sum(-1, keepdims=True)
 
 
-def advantage_unit(q: np.ndarray, q_max: Optional[np.ndarray] = None) -> np.ndarray:
+def advantage_unit(q: torch.Tensor, q_max: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Departure 5: the mean action gap max_a Q - min_a Q over a batch [M, B, |A|], per member, the unit in which the
     relative softmax measures W, so that one temperature means the same on every task (the paper's lambda W carries
     reward units)."""
-    return ((q.max(-1) if q_max is None else q_max) - q.min(-1)).mean(-1)
+    return ((q.amax(-1) if q_max is None else q_max) - q.amin(-1)).mean(-1)
 
 
 def sqrt_floored(beta: np.ndarray) -> np.ndarray:
@@ -516,16 +516,6 @@ def mixed_value(q, beta, mu, q_max=None):
     return (1.0 - mu) * (beta * q).sum(-1) + mu * (q.max(-1) if q_max is None else q_max)
 
 
-def critic_output_grad(q_all: np.ndarray, a: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """d/dQ(s, .) of each member's TD loss mean_s (Q(s, a_s) - y_s)^2 (float32, bit for bit autograd's through gather +
-    mse_loss; tested) and the TD errors: backward() from it keeps those small graph nodes out of every update."""
-    flat, rows = q_all.reshape(-1, q_all.shape[-1]), np.arange(a.size)
-    td_error = flat[rows, a.reshape(-1)].reshape(a.shape) - y
-    g = np.zeros_like(flat)
-    g[rows, a.reshape(-1)] = np.float32(2.0 / a.shape[-1]) * td_error.reshape(-1)
-    return g.reshape(q_all.shape), td_error
-
-
 # ---- The deployed policy and its evaluation
 FLAGS = ("mu", "gamma", "kappa_scale", "kappa_max", "kappa_decay", "pessimism", "advantage_unit", "penalty_scale",
          "penalty_one_minus_mu")  # the flags the method's functions read, one row per member (common.columns)
@@ -621,7 +611,7 @@ def train(runs: common.Members) -> None:
     first, M, B = runs.first, runs.M, runs.first.batch_size
     p = common.columns(runs.args, *FLAGS)
     obs, next_obs, rewards = runs.tensor("observations"), runs.tensor("next_observations"), runs.tensor("rewards")
-    actions_np = runs.tensor("actions").numpy()
+    actions = runs.tensor("actions")
     gamma32, not_done = torch.from_numpy(p.gamma.astype(np.float32)), 1.0 - runs.tensor("terminals").float()  # timeouts
     # are not terminal: bootstrapped
     # beta in float64, renormalised: sum_a (rho - beta) must be 0 to ~1e-16 for the equality constraint
@@ -659,45 +649,45 @@ def train(runs: common.Members) -> None:
             next_v = mixed_value(next_q, next_beta[idx], mu32, next_q.max(-1).values)
         td_target = torch.addcmul(rewards[idx], next_v, gamma32 * not_done[idx])  # r + gamma (1 - terminal) V(s')
         q_all = q_network(s)
-        q32 = q_all.detach().numpy()
-        for m in np.flatnonzero(~np.isfinite(q32).all((1, 2))):  # a diverged critic's values would poison the solver
+        q64 = q_all.detach().double()
+        for m in np.flatnonzero(~q64.isfinite().all(-1).all(-1).numpy()):  # a diverged critic would poison the rest
             if runs.alive[m]:
                 runs.drop(m, f"training diverged: the critic's values are NaN or inf after {step - 1} updates; try a "
                              "lower --learning-rate")
-        q_grad, td_error = critic_output_grad(q32, actions_np[ix], td_target.numpy())
-        q_np = q32.astype(np.float64)
-        q_max = q_np.max(-1)
-        batch_unit = advantage_unit(q_np, q_max)  # departure 5
+        q_taken = q_all.gather(-1, actions[idx].unsqueeze(-1)).squeeze(-1)
+        td_loss = (q_taken - td_target).square().mean(1)  # [M]: each member's mean squared TD error
+        q_max = q64.amax(-1)
+        batch_unit = advantage_unit(q64, q_max)  # departure 5
         unit = batch_unit if step == 1 else (1.0 - UNIT_RATE) * unit + UNIT_RATE * batch_unit
-        beta = beta_all[ix]
-        w = q_np - mixed_value(q_np, beta, p.mu, q_max)[..., None]  # W = Q - V, the critic before its step
+        q_np, unit_np, beta = q64.numpy(), unit.numpy(), beta_all[ix]
+        w = q_np - mixed_value(q_np, beta, p.mu, q_max.numpy())[..., None]  # W = Q - V, the critic before its step
 
         # --- update: confidence (Algorithm 1, lines 3-5) ---
         lam_tilde = confidence(s)
         lam_np = lam_tilde.detach().numpy().astype(np.float64)
-        rho, temp = candidate(beta, lam_np, w, p, p.pessimism, step - 1, unit, log_beta_all[ix], sqrt_beta_all[ix])  # 3
+        rho, temp = candidate(beta, lam_np, w, p, p.pessimism, step - 1, unit_np, log_beta_all[ix], sqrt_beta_all[ix])  # 3
         d = rho - beta
-        w_solver = solver_advantage(w, beta, p, unit, sqrt_beta_all[ix])
+        w_solver = solver_advantage(w, beta, p, unit_np, sqrt_beta_all[ix])
         lam_star = np.stack([solve_confidence(d[m], w_solver[m], k_penalty[m]) if runs.alive[m] else np.zeros_like(d[m])
                              for m in range(M)])
         confidence_loss, grad = confidence_fit(lam_np, d, beta, rho, beta + lam_star * d)
 
-        torch.autograd.backward((q_all, lam_tilde), (torch.from_numpy(q_grad), torch.from_numpy(grad).float()))
+        torch.autograd.backward((td_loss.sum(), lam_tilde), (None, torch.from_numpy(grad).float()))
         critic_optimizer.step()
         confidence_optimizer.step()
         common.soft_update(step, target_network, q_network, period, tau)
 
         # --- log ---
-        runs.log(step, {"losses/td_loss": np.square(td_error, dtype=np.float64).mean(1),
-                        "losses/q_values": np.take_along_axis(q32, actions_np[ix][..., None], -1).mean((1, 2)),
+        runs.log(step, {"losses/td_loss": td_loss, "losses/q_values": q_taken.mean(1),
                         "losses/confidence_loss": confidence_loss, "confidence/advantage_unit": unit,
                         "confidence/mean_lambda_star": lam_star.mean((1, 2)), "confidence/mean_temperature": temp.mean(1)})
 
         # --- evaluate ---
         if runs.due(step):
             runs.pause()
-            pessimism, deploy_pi, certificates = deploy(runs, step, obs, q_network, confidence, p, unit, levels, certs)
-            actor_state.update(n_updates=step, unit=unit, pessimism=pessimism, deploy_pi=deploy_pi)
+            pessimism, deploy_pi, certificates = deploy(runs, step, obs, q_network, confidence, p, unit.numpy(), levels,
+                                                        certs)
+            actor_state.update(n_updates=step, unit=unit.numpy(), pessimism=pessimism, deploy_pi=deploy_pi)
             runs.evaluate(step, [q_network, confidence], act, extra=[
                 {"deployed": "pi" if deploy_pi[m] else "beta", "pessimism": float(pessimism[m, 0]), **certificates[m]}
                 for m in range(M)])

@@ -18,7 +18,7 @@ import math
 import os
 import signal
 import sys
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -32,7 +32,7 @@ import torch
 import torch.nn as nn
 
 import common
-from common import fail, load_checkpoint
+from common import load_checkpoint
 
 
 # --sweep may vary these (and --learning-rate, --gamma, --tau, --target-update-frequency) between the members of one
@@ -139,11 +139,11 @@ def candidate_policy(beta, lam, w, temp, log_beta=None):
     return e / e.sum(-1, keepdims=True)
 
 
-def advantage_unit(q: np.ndarray, q_max: Optional[np.ndarray] = None) -> np.ndarray:
+def advantage_unit(q: torch.Tensor, q_max: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Departure 5: the mean action gap max_a Q - min_a Q over a batch [M, B, |A|], per member, the unit in which the
     relative softmax measures W, so that one temperature means the same on every task (the paper's lambda W carries
     reward units)."""
-    return ((q.max(-1) if q_max is None else q_max) - q.min(-1)).mean(-1)
+    return ((q.amax(-1) if q_max is None else q_max) - q.amin(-1)).mean(-1)
 
 
 def sqrt_floored(beta: np.ndarray) -> np.ndarray:
@@ -173,16 +173,6 @@ def residual_policy(beta, rho, lam):
 def mixed_value(q, beta, mu, q_max=None):
     """V(s) = (1-mu) E_beta Q(s, .) + mu max_a Q(s, a), for the TD target and for W = Q - V (mu: [M, 1])."""
     return (1.0 - mu) * (beta * q).sum(-1) + mu * (q.max(-1) if q_max is None else q_max)
-
-
-def critic_output_grad(q_all: np.ndarray, a: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """d/dQ(s, .) of each member's TD loss mean_s (Q(s, a_s) - y_s)^2 (float32, bit for bit autograd's through gather +
-    mse_loss; tested) and the TD errors: backward() from it keeps those small graph nodes out of every update."""
-    flat, rows = q_all.reshape(-1, q_all.shape[-1]), np.arange(a.size)
-    td_error = flat[rows, a.reshape(-1)].reshape(a.shape) - y
-    g = np.zeros_like(flat)
-    g[rows, a.reshape(-1)] = np.float32(2.0 / a.shape[-1]) * td_error.reshape(-1)
-    return g.reshape(q_all.shape), td_error
 
 
 # ---- The deployed policy and its evaluation
@@ -275,16 +265,15 @@ def deploy(runs, step, obs, q_network, confidence, p, unit, levels, certs):
 # ---- Training
 def train(runs: common.Members) -> None:
     # --- setup ---
-    first, M, B = runs.first, runs.M, runs.first.batch_size
+    first, M = runs.first, runs.M
     p = common.columns(runs.args, *FLAGS)
     obs, next_obs, rewards = runs.tensor("observations"), runs.tensor("next_observations"), runs.tensor("rewards")
-    actions_np = runs.tensor("actions").numpy()
+    actions = runs.tensor("actions")
     gamma32, not_done = torch.from_numpy(p.gamma.astype(np.float32)), 1.0 - runs.tensor("terminals").float()  # timeouts
     # are not terminal: bootstrapped
     # beta in float64, renormalised: sum_a (rho - beta) must be 0 to ~1e-16 for the equality constraint
     beta_all = runs.tensor("behavior_probs").double().numpy()
     beta_all /= beta_all.sum(1, keepdims=True)
-    log_beta_all, sqrt_beta_all = log_probs(beta_all), sqrt_floored(beta_all)  # once, not per update
     next_beta = runs.tensor("next_behavior_probs")
     mu32 = torch.from_numpy(p.mu.astype(np.float32))
     certs = {}  # per distinct dataset: its certificate data, z and members
@@ -306,37 +295,36 @@ def train(runs: common.Members) -> None:
     for step in range(1, first.total_steps + 1):
         # --- update: critic target and W (Algorithm 1, line 6) ---
         idx = runs.minibatch(step)  # [M, batch]
-        ix = idx.numpy()
         s = obs[idx]
         with torch.no_grad():
             next_q = target_network(next_obs[idx])
             next_v = mixed_value(next_q, next_beta[idx], mu32, next_q.max(-1).values)
         td_target = torch.addcmul(rewards[idx], next_v, gamma32 * not_done[idx])  # r + gamma (1 - terminal) V(s')
         q_all = q_network(s)
-        q32 = q_all.detach().numpy()
-        for m in np.flatnonzero(~np.isfinite(q32).all((1, 2))):  # a diverged critic's values would poison the solver
+        q64 = q_all.detach().double()
+        for m in np.flatnonzero(~q64.isfinite().all(-1).all(-1).numpy()):  # a diverged critic would poison the rest
             if runs.alive[m]:
                 runs.drop(m, f"training diverged: the critic's values are NaN or inf after {step - 1} updates; try a "
                              "lower --learning-rate")
-        q_grad, td_error = critic_output_grad(q32, actions_np[ix], td_target.numpy())
-        q_np = q32.astype(np.float64)
-        q_max = q_np.max(-1)
-        batch_unit = advantage_unit(q_np, q_max)  # departure 5
+        q_taken = q_all.gather(-1, actions[idx].unsqueeze(-1)).squeeze(-1)
+        td_loss = (q_taken - td_target).square().mean(1)  # [M]: each member's mean squared TD error
+        q_max = q64.amax(-1)
+        batch_unit = advantage_unit(q64, q_max)  # departure 5
         unit = batch_unit if step == 1 else (1.0 - UNIT_RATE) * unit + UNIT_RATE * batch_unit
-        q_all.backward(torch.from_numpy(q_grad))
+        td_loss.sum().backward()
         critic_optimizer.step()
         common.soft_update(step, target_network, q_network, period, tau)
 
         # --- log ---
-        runs.log(step, {"losses/td_loss": np.square(td_error, dtype=np.float64).mean(1),
-                        "losses/q_values": np.take_along_axis(q32, actions_np[ix][..., None], -1).mean((1, 2)),
+        runs.log(step, {"losses/td_loss": td_loss, "losses/q_values": q_taken.mean(1),
                         "confidence/advantage_unit": unit})
 
         # --- evaluate ---
         if runs.due(step):
             runs.pause()
-            pessimism, deploy_pi, certificates = deploy(runs, step, obs, q_network, confidence, p, unit, levels, certs)
-            actor_state.update(n_updates=step, unit=unit, pessimism=pessimism, deploy_pi=deploy_pi)
+            pessimism, deploy_pi, certificates = deploy(runs, step, obs, q_network, confidence, p, unit.numpy(), levels,
+                                                        certs)
+            actor_state.update(n_updates=step, unit=unit.numpy(), pessimism=pessimism, deploy_pi=deploy_pi)
             runs.evaluate(step, [q_network], act, extra=[
                 {"deployed": "pi" if deploy_pi[m] else "beta", "pessimism": float(pessimism[m, 0]), **certificates[m]}
                 for m in range(M)])

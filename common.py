@@ -616,7 +616,7 @@ class Stack:
         for i, (w, b) in enumerate(self.layers):
             x = torch.baddbmm(b, x, w)
             if i < len(self.layers) - 1:
-                x = x.relu()
+                x = x.relu_()  # in place: baddbmm keeps no output for its backward
         return self.output(x) if self.output else x
 
     def copy(self) -> "Stack":
@@ -629,6 +629,13 @@ class Stack:
         copy.sizes, copy.flat, copy.output = self.sizes, self.flat.detach()[ks].clone(), self.output
         copy.layers = copy._views()
         return copy
+
+    def part(self, ks: slice) -> "Stack":
+        """Networks ks sharing this Stack's weights (a view), e.g. the Q towers of a target network."""
+        view = object.__new__(Stack)
+        view.sizes, view.flat, view.output = self.sizes, self.flat[ks], self.output
+        view.layers = view._views()
+        return view
 
     def state_dict(self, k: int, prefix: str = "") -> dict:
         """Network k as the state_dict of the nn.Sequential it was built from (Linear layers at 0, 2, 4, ...)."""
