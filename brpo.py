@@ -467,6 +467,84 @@ def solve_confidence(d, w, k, n_rays=4, refine_rays=(0.0, -0.03, 0.03, -0.1, 0.1
     return best_lam
 
 
+def _solve_generators_members(gvals, k, wbar, best_f, t_best, n_rays=4, refine_rays=(0.0, -0.03, 0.03, -0.1, 0.1)):
+    """_solve_generators for every member at once: gvals [M, G, 3], k, wbar, best_f [M], t_best [M, G]. The same
+    rays, orders and edges per member (generators with c_g <= 0 sort last with t_g = 0 and move nothing). Returns
+    best_f, t_best and whether a member's t_best was improved."""
+    m, g = gvals.shape[:2]
+    rows = np.arange(m)
+    pos = gvals[..., 0] > 0
+    cuv = np.where(pos[..., None], gvals, 0.0)
+    cs, us, vs = np.moveaxis(gvals, -1, 0)
+    kk = k[:, None, None]
+    cos_t, sin_t = _GRID_RAYS if n_rays == 4 else _ray_angles(np.linspace(0.0, 0.5 * np.pi, n_rays))
+    cos_t, sin_t = np.broadcast_to(cos_t, (m, len(cos_t))), np.broadcast_to(sin_t, (m, len(sin_t)))
+    improved, going = np.zeros(m, bool), pos.any(1)  # no generator with c_g > 0: t = 0 is optimal
+    for it in range(2):
+        wgt = cos_t[..., None] * cuv[:, None, :, 1] + (sin_t / wbar[:, None])[..., None] * cuv[:, None, :, 2]
+        key = np.where(pos[:, None, :], -cuv[:, None, :, 0] / np.maximum(wgt, TINY), np.inf)
+        order = np.argsort(key, axis=2, kind="stable")  # [M, rays, G]
+        delta = cuv[rows[:, None, None], order]  # [M, rays, G, 3]
+        dc, du, dv = np.moveaxis(delta, -1, 0)
+        c0, u0, v0 = np.moveaxis(np.cumsum(delta, 2) - delta, -1, 0)
+        q = -kk * du * dv
+        lin = dc - kk * (u0 * dv + v0 * du)
+        sig = np.minimum(np.maximum(lin / np.maximum(-2.0 * q, TINY), 0.0), 1.0)
+        fseg = (c0 - kk * u0 * v0 + lin * sig + q * sig * sig).reshape(m, -1)
+        best = fseg.argmax(1)
+        r, e = np.divmod(best, g)
+        better = going & (fseg[rows, best] > best_f)
+        rank = np.argsort(order[rows, r], axis=1, kind="stable")  # each generator's place on the best ray
+        t = np.where(rank < e[:, None], 1.0, np.where(rank == e[:, None], sig[rows, r, e][:, None], 0.0)) * pos
+        f = (t * cs).sum(1) - k * (t * us).sum(1) * (t * vs).sum(1)
+        better &= f > best_f
+        best_f, t_best, improved = np.where(better, f, best_f), np.where(better[:, None], t, t_best), improved | better
+        uu, vv = (t_best * us).sum(1), (t_best * vs).sum(1)
+        going &= ~((uu <= 0) & (vv <= 0)) & (len(refine_rays) > 0)
+        if it == 1 or not going.any():
+            break
+        cos_t, sin_t = _ray_angles(np.arctan2(uu * wbar, vv)[:, None] + np.asarray(refine_rays))
+    return best_f, t_best, improved
+
+
+def solve_confidence_members(d, w, k):
+    """solve_confidence for every member: d, w [M, B, |A|], k [M]. States that are all parallelepipeds (always for
+    |A| <= 3) are solved for all members at once; a member with other states by solve_confidence alone. Exact."""
+    m, bsz, n = d.shape
+    if m == 1:  # the single solver is faster on its own
+        return solve_confidence(d[0], w[0], k[0])[None]
+    d = np.asarray(d, dtype=np.float64)
+    w = np.minimum(np.maximum(np.asarray(w, dtype=np.float64), -W_CLAMP), W_CLAMP)
+    scale = np.abs(d).max((1, 2), initial=0.0)[:, None, None]
+    d = np.where(np.abs(d) > D_ZERO * scale, d, 0.0)  # noise relative to each member's largest move
+    c, u = d * w, np.abs(d)
+    v = u * np.abs(w)
+    su, sv, sc = u.sum((1, 2)), v.sum((1, 2)), c.sum((1, 2))
+    with np.errstate(divide="ignore", invalid="ignore"):  # best constant lambda: f(t 1) = t sc - k t^2 su sv
+        t_const = np.where(k * su * sv > 0, np.clip(sc / (2.0 * k * su * sv), 0.0, 1.0), np.where(sc > 0, 1.0, 0.0))
+    best_f = t_const * sc - k * t_const * t_const * su * sv
+    lam = np.broadcast_to(t_const[:, None, None], d.shape).copy()
+    wbar = np.where(sv > 0, sv / np.where(su > 0, su, 1.0), 1.0)
+    if n == 2:  # one generator (1, 1) per state: lambda = (t, t)
+        gvals = np.stack([c.sum(-1), u.sum(-1), v.sum(-1)], -1)
+        _, t, improved = _solve_generators_members(gvals, k, wbar, best_f, np.repeat(t_const[:, None], bsz, 1))
+        lam = np.where(improved[:, None, None], t[..., None], lam)
+    else:
+        lonely, gvec = lonely_generators(d.reshape(-1, n))
+        lonely, gvec = lonely.reshape(m, bsz), gvec.reshape(m, bsz, n - 1, n)
+        together = lonely.all(1)
+        if together.any():
+            sub = np.flatnonzero(together)
+            gvals = (gvec[sub] @ np.stack([c[sub], u[sub], v[sub]], -1)).reshape(len(sub), -1, 3)
+            _, t, improved = _solve_generators_members(gvals, k[sub], wbar[sub], best_f[sub],
+                                                       np.repeat(t_const[sub, None], gvals.shape[1], 1))
+            mixed = np.clip((t.reshape(len(sub), bsz, n - 1, 1) * gvec[sub]).sum(2), 0.0, 1.0)
+            lam[sub] = np.where(improved[:, None, None], mixed, lam[sub])
+        for i in np.flatnonzero(~together):
+            lam[i] = solve_confidence(d[i], w[i], k[i])
+    return np.where((su == 0.0)[:, None, None], 0.0, lam)
+
+
 # ---- Projection layer and confidence fit (eq. optimize_lambda, "Learning the Confidence")
 def project_confidence(lam_tilde: np.ndarray, d: np.ndarray) -> np.ndarray:
     """Departure 2: the exact Euclidean projection onto Lambda(s) = [0,1]^|A| ∩ {lambda . d = 0} (the paper's
@@ -628,12 +706,14 @@ def train(runs: common.Members) -> None:
         certs[a.epsilon][2].append(m)
     levels = common.deploy_levels(first)
 
-    q_nets, confidence_nets = runs.build(lambda: [QNetwork(runs.obs_dim, runs.n_actions).net,
-                                                  ConfidenceNetwork(runs.obs_dim, runs.n_actions).net])
-    q_network, confidence = common.Stack(q_nets), common.Stack(confidence_nets, output=torch.sigmoid)
+    # each member's critic and confidence network side by side (networks 2m and 2m + 1): one batched forward for both
+    networks = common.Stack([net for pair in zip(*runs.build(lambda: [QNetwork(runs.obs_dim, runs.n_actions).net,
+                             ConfidenceNetwork(runs.obs_dim, runs.n_actions).net])) for net in pair])
+    q_network, confidence = networks.part(slice(0, None, 2)), networks.part(slice(1, None, 2))
+    confidence.output = torch.sigmoid
     target_network = q_network.copy()
-    critic_optimizer = common.Adam(q_network, runs.column("learning_rate"))
-    confidence_optimizer = common.Adam(confidence, runs.column("confidence_learning_rate"))
+    optimizer = common.Adam(networks, torch.cat([runs.column("learning_rate"), runs.column("confidence_learning_rate")],
+                                                1).view(-1, 1))
     k_penalty = (penalty_weight(B, p.gamma, p.mu, p.penalty_one_minus_mu) * p.penalty_scale)[:, 0]  # dep. 8, 9
     tau, period = runs.column("tau"), runs.column("target_update_frequency", torch.long)
     act, actor_state = make_actor(runs.behavior(), q_network, confidence, p, first.eval_greedy)
@@ -648,7 +728,8 @@ def train(runs: common.Members) -> None:
             next_q = target_network(next_obs[idx])
             next_v = mixed_value(next_q, next_beta[idx], mu32, next_q.max(-1).values)
         td_target = torch.addcmul(rewards[idx], next_v, gamma32 * not_done[idx])  # r + gamma (1 - terminal) V(s')
-        q_all = q_network(s)
+        out = networks(s.repeat_interleave(2, 0)).unflatten(0, (-1, 2))
+        q_all, lam_tilde = out[:, 0], torch.sigmoid(out[:, 1])
         q64 = q_all.detach().double()
         for m in np.flatnonzero(~q64.isfinite().all(-1).all(-1).numpy()):  # a diverged critic would poison the rest
             if runs.alive[m]:
@@ -663,18 +744,17 @@ def train(runs: common.Members) -> None:
         w = q_np - mixed_value(q_np, beta, p.mu, q_max.numpy())[..., None]  # W = Q - V, the critic before its step
 
         # --- update: confidence (Algorithm 1, lines 3-5) ---
-        lam_tilde = confidence(s)
         lam_np = lam_tilde.detach().numpy().astype(np.float64)
         rho, temp = candidate(beta, lam_np, w, p, p.pessimism, step - 1, unit_np, log_beta_all[ix], sqrt_beta_all[ix])  # 3
         d = rho - beta
         w_solver = solver_advantage(w, beta, p, unit_np, sqrt_beta_all[ix])
-        lam_star = np.stack([solve_confidence(d[m], w_solver[m], k_penalty[m]) if runs.alive[m] else np.zeros_like(d[m])
-                             for m in range(M)])
+        alive = np.array(runs.alive)  # a dropped member's values are NaN: its confidence is 0
+        lam_star = solve_confidence_members(np.where(alive[:, None, None], d, 0.0), np.where(alive[:, None, None],
+                                                                                              w_solver, 0.0), k_penalty)
         confidence_loss, grad = confidence_fit(lam_np, d, beta, rho, beta + lam_star * d)
 
         torch.autograd.backward((td_loss.sum(), lam_tilde), (None, torch.from_numpy(grad).float()))
-        critic_optimizer.step()
-        confidence_optimizer.step()
+        optimizer.step()
         common.soft_update(step, target_network, q_network, period, tau)
 
         # --- log ---

@@ -890,7 +890,7 @@ class Members:
         [M, N, |A|] with the critic q(obs) -> [M, N, |A|] (unless extra holds each member's certificate already).
         extra: one dict per member, added to its record."""
         self.pause()
-        finite = torch.stack([s.flat.view(self.M, -1).isfinite().all(1) for s in networks]).all(0)
+        finite = torch.stack([s.flat.reshape(self.M, -1).isfinite().all(1) for s in networks]).all(0)
         for m in np.flatnonzero(~finite.numpy()):
             if self.alive[m]:
                 self.drop(m, f"training diverged: the weights are NaN or inf after {step} updates; try a lower "
