@@ -678,16 +678,61 @@ def sample(pi: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return (pi.cumsum(-1) < u[:, None]).sum(-1).clamp_max(pi.shape[-1] - 1)
 
 
+class AcrobotVector:
+    """Acrobot-v1 for n episodes at once: gymnasium's own dynamics (AcrobotEnv._dsdt, evaluated on arrays of states)
+    integrated by the same one-step RK4, wrap, bound, reward, termination and 500-step limit as AcrobotEnv.step, in
+    the same float64 operations: the same trajectories as n gymnasium environments (tested), without n Python calls
+    per time step. step(actions) -> (obs, reward, terminated, truncated)."""
+
+    def __init__(self, starts: np.ndarray):
+        from gymnasium.envs.classic_control.acrobot import AcrobotEnv
+        self.env, self.state, self.steps = AcrobotEnv(), starts.astype(np.float64), 0  # state [4, n]
+        self.limit = gym.spec("Acrobot-v1").max_episode_steps
+
+    def obs(self) -> np.ndarray:
+        s = self.state
+        return np.stack([np.cos(s[0]), np.sin(s[0]), np.cos(s[1]), np.sin(s[1]), s[2], s[3]], 1).astype(np.float32)
+
+    def step(self, actions: np.ndarray):
+        env, zeros = self.env, np.zeros(self.state.shape[1])
+
+        def derivs(y):  # AcrobotEnv._dsdt returns the torque's derivative as the scalar 0.0
+            return np.stack([*env._dsdt(y)[:4], zeros])
+
+        y0 = np.concatenate([self.state, np.asarray(env.AVAIL_TORQUE, dtype=np.float64)[actions][None]])
+        dt = env.dt
+        k1 = derivs(y0)
+        k2 = derivs(y0 + dt / 2.0 * k1)
+        k3 = derivs(y0 + dt / 2.0 * k2)
+        k4 = derivs(y0 + dt * k3)
+        ns = (y0 + dt / 6.0 * (k1 + 2 * k2 + 2 * k3 + k4))[:4]
+        for i in (0, 1):  # wrap(x, -pi, pi), one 2 pi at a time like gymnasium's loop
+            while (ns[i] > np.pi).any() or (ns[i] < -np.pi).any():
+                ns[i] = np.where(ns[i] > np.pi, ns[i] - 2 * np.pi, np.where(ns[i] < -np.pi, ns[i] + 2 * np.pi, ns[i]))
+        ns[2] = np.minimum(np.maximum(ns[2], -env.MAX_VEL_1), env.MAX_VEL_1)
+        ns[3] = np.minimum(np.maximum(ns[3], -env.MAX_VEL_2), env.MAX_VEL_2)
+        self.state, self.steps = ns, self.steps + 1
+        terminated = -np.cos(ns[0]) - np.cos(ns[1] + ns[0]) > 1.0
+        return self.obs(), np.where(terminated, 0.0, -1.0), terminated, np.full_like(terminated, self.steps >= self.limit)
+
+
 class Simulators:
     """copies x episodes simulators run side by side, one batched forward per time step for all of them; episode i
-    of every copy starts from env.reset(seed=seed + i). CartPole-v1 runs as gymnasium's vectorised CartPole, its
-    state set to those start states (the same dynamics in float64: the same returns); other tasks as one gymnasium
-    environment per episode."""
+    of every copy starts from env.reset(seed=seed + i). CartPole-v1 runs as gymnasium's vectorised CartPole and
+    Acrobot-v1 as gymnasium's Acrobot dynamics on arrays (AcrobotVector), their state set to those start states
+    (the same dynamics in float64: the same returns); other tasks as one gymnasium environment per episode."""
 
     def __init__(self, env_id: str, copies: int, episodes: int, seed: int):
         self.copies, self.episodes, n = copies, episodes, copies * episodes
-        self.vector = env_id == "CartPole-v1"
-        if self.vector:
+        self.vector, self.acrobot = env_id == "CartPole-v1", env_id == "Acrobot-v1"
+        if self.acrobot:
+            env = make_env(env_id)
+            starts = []
+            for i in range(episodes):
+                env.reset(seed=seed + i)
+                starts.append(np.array(env.unwrapped.state))  # float32, as AcrobotEnv.reset stores it
+            self.starts = np.tile(np.stack(starts, 1), (1, copies))
+        elif self.vector:
             env = make_env(env_id)
             starts = []
             for i in range(episodes):
@@ -702,7 +747,10 @@ class Simulators:
         """Undiscounted returns [copies, episodes] of act(obs [copies, episodes, dim], u [episodes]) -> actions
         [copies, episodes]; u: this time step's uniforms, drawn from a generator seeded with noise_seed."""
         n, generator = self.copies * self.episodes, torch.Generator().manual_seed(noise_seed)
-        if self.vector:
+        if self.acrobot:
+            venv = AcrobotVector(self.starts)
+            obs = venv.obs()
+        elif self.vector:
             self.venv.reset()
             self.venv.state, self.venv.steps = self.starts.copy(), np.zeros(n, dtype=np.int32)
             self.venv.prev_done = np.zeros(n, dtype=bool)
@@ -715,8 +763,8 @@ class Simulators:
             u = torch.rand(self.episodes, generator=generator)
             with torch.no_grad():
                 actions = act(torch.from_numpy(obs).view(self.copies, self.episodes, -1), u).reshape(-1).numpy()
-            if self.vector:
-                obs, reward, term, trunc, _ = self.venv.step(actions)
+            if self.vector or self.acrobot:
+                obs, reward, term, trunc = (venv if self.acrobot else self.venv).step(actions)[:4]
                 returns += reward * active
                 active &= ~(term | trunc)
             else:

@@ -171,3 +171,28 @@ def test_batched_evaluation_scores_what_one_simulator_per_episode_scores(env_id)
                 obs, r, term, trunc, _ = env.step(a)
                 total, done = total + r, term or trunc
             assert got[m, i] == total, (m, i)
+
+
+def test_acrobot_on_arrays_is_gymnasiums_acrobot():
+    """AcrobotVector follows n gymnasium Acrobot-v1 environments bit for bit: observations, rewards, terminations,
+    under a policy that swings up (most episodes end before the 500-step limit) and one that does not."""
+    n = 30
+    envs = [gym.make("Acrobot-v1") for _ in range(n)]
+    starts = []
+    for i, env in enumerate(envs):
+        env.reset(seed=77 + i)
+        starts.append(np.array(env.unwrapped.state))
+    for swing in (True, False):
+        for i, env in enumerate(envs):
+            env.reset(seed=77 + i)
+        vec = common.AcrobotVector(np.stack(starts, 1))
+        obs, active, ended = vec.obs(), np.ones(n, bool), 0
+        while active.any():
+            actions = np.where(obs[:, 5] > 0, 2, 0) if swing else np.ones(n, dtype=np.int64)
+            obs, reward, term, trunc = vec.step(actions)
+            for j in np.flatnonzero(active):
+                o, r, t, tr, _ = envs[j].step(int(actions[j]))
+                assert np.array_equal(o, obs[j]) and r == reward[j] and t == term[j] and tr == trunc[j], (swing, j)
+                if t or tr:
+                    active[j], ended = False, ended + t
+        assert (ended > n // 2) == swing  # swinging up ends most episodes early
