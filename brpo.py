@@ -372,81 +372,26 @@ def _ray_angles(thetas):
     return np.cos(th), np.sin(th)
 
 
-_GRID_RAYS = _ray_angles(np.linspace(0.0, 0.5 * np.pi, 4))  # the default n_rays, computed once
+_GRID_RAYS = _ray_angles(np.linspace(0.0, 0.5 * np.pi, 4))  # 4 rays, computed once
 
 
-def _solve_generators(gvals, k, wbar, n_rays, refine_rays, best_f, t_best):
-    """All states parallelepipeds: f = sum t c - k (sum t u)(sum t v), t in [0, 1]^G; a ray's path adds generators by
-    decreasing c_g / (alpha u_g + beta_ v_g). Returns (best_f, t_best), t_best the same object if nothing beats it."""
-    g = gvals.shape[0]
-    pos = np.flatnonzero(gvals[:, 0] > 0)  # c_g <= 0: t_g = 0 is optimal
-    if pos.size == 0:
-        return best_f, t_best
-    cuv = gvals[pos].T
-    cs, us, vs = gvals.T
-    cos_t, sin_t = _GRID_RAYS if n_rays == 4 else _ray_angles(np.linspace(0.0, 0.5 * np.pi, n_rays))
-    for it in range(2):
-        wgt = cos_t[:, None] * cuv[1] + (sin_t / wbar)[:, None] * cuv[2]
-        order = np.argsort(-cuv[0] / np.maximum(wgt, TINY), axis=1, kind="stable")
-        dc, du, dv = delta = cuv[:, order]
-        c0, u0, v0 = np.cumsum(delta, 2) - delta
-        q = -k * du * dv
-        lin = dc - k * (u0 * dv + v0 * du)
-        sig = np.minimum(np.maximum(lin / np.maximum(-2.0 * q, TINY), 0.0), 1.0)
-        fseg = c0 - k * u0 * v0 + lin * sig + q * sig * sig
-        r, e = divmod(int(fseg.argmax()), pos.size)
-        if fseg[r, e] > best_f:
-            t = np.zeros(g)
-            t[pos[order[r, :e]]] = 1.0
-            t[pos[order[r, e]]] = sig[r, e]
-            f = float(t @ cs - k * (t @ us) * (t @ vs))
-            if f > best_f:
-                best_f, t_best = f, t
-        uu, vv = t_best @ us, t_best @ vs
-        if it == 1 or (uu <= 0 and vv <= 0) or len(refine_rays) == 0:
-            break
-        cos_t, sin_t = _ray_angles(math.atan2(uu * wbar, vv) + np.asarray(refine_rays))
-    return best_f, t_best
-
-
-def solve_confidence(d, w, k, n_rays=4, refine_rays=(0.0, -0.03, 0.03, -0.1, 0.1)):
+def solve_confidence(d, w, k):
     """lambda-bar* (B, |A|) for d = rho - beta and the advantage w: 0 <= lambda <= 1 exactly, |d_s . lambda_s| ~ 1e-16,
     never worse than lambda = 0 or the best constant lambda (both feasible as sum_a d_a = 0)."""
-    d = np.asarray(d, dtype=np.float64)
-    w = np.minimum(np.maximum(np.asarray(w, dtype=np.float64), -W_CLAMP), W_CLAMP)
-    d = np.where(np.abs(d) > D_ZERO * np.abs(d).max(initial=0.0), d, 0.0)  # noise relative to the largest move
-    c, u = d * w, np.abs(d)
-    v = u * np.abs(w)
-    su, sv, sc = u.sum(), v.sum(), c.sum()
-    if su == 0.0:
-        return np.zeros_like(d)
-    if k * su * sv > 0:  # best constant lambda: f(t 1) = t sc - k t^2 su sv
-        t_const = min(max(sc / (2.0 * k * su * sv), 0.0), 1.0)
-    else:
-        t_const = 1.0 if sc > 0 else 0.0
-    best_f = t_const * sc - k * t_const * t_const * su * sv
-    best_lam = np.full_like(d, t_const)
-    wbar = sv / su if sv > 0 else 1.0
-    bsz, n = d.shape
-    if n == 2:  # one generator (1, 1) per state: lambda = (t, t)
-        gvals = np.stack([c.sum(-1), u.sum(-1), v.sum(-1)], 1)
-        t0 = np.full(bsz, t_const)
-        best_f, t = _solve_generators(gvals, k, wbar, n_rays, refine_rays, best_f, t0)
-        return best_lam if t is t0 else np.repeat(t[:, None], 2, 1)
-    lonely, gvec = lonely_generators(d)
+    return solve_confidence_members(d[None], w[None], np.array([k], dtype=np.float64))[0]
+
+
+def _solve_mixed(d, c, u, v, k, wbar, best_f, best_lam, lonely, gvec, refine_rays=(0.0, -0.03, 0.03, -0.1, 0.1)):
+    """One member whose states are not all parallelepipeds: vertex enumeration and envelope sweep of the others."""
+    n = d.shape[1]
     cuv = np.stack([c, u, v], -1)
-    if lonely.all():
-        gvals = (gvec @ cuv).reshape(-1, 3)
-        t0 = np.full(gvals.shape[0], t_const)
-        best_f, t = _solve_generators(gvals, k, wbar, n_rays, refine_rays, best_f, t0)
-        return best_lam if t is t0 else np.clip((t.reshape(bsz, n - 1, 1) * gvec).sum(1), 0.0, 1.0)
     gvec, cuv_g = gvec[lonely].reshape(-1, n), cuv[lonely]
     gvals = (gvec.reshape(-1, n - 1, n) @ cuv_g).reshape(-1, 3)
     gpos = np.flatnonzero(gvals[:, 0] > 0)
     hard = ~lonely  # vertex enumeration and envelope sweep
     cand = enumerate_vertices(d[hard])
     cand, vals = _prune(cand, cand @ cuv[hard])
-    cos_t, sin_t = _GRID_RAYS if n_rays == 4 else _ray_angles(np.linspace(0.0, 0.5 * np.pi, n_rays))
+    cos_t, sin_t = _GRID_RAYS
     for it in range(2):
         f, idx, order, jn, e, sig = _sweep(vals, gvals[gpos], cos_t, sin_t / wbar, k)
         r = int(f.argmax())
@@ -461,24 +406,24 @@ def solve_confidence(d, w, k, n_rays=4, refine_rays=(0.0, -0.03, 0.03, -0.1, 0.1
             if fl > best_f:
                 best_f, best_lam = fl, lam
         uu, vv = (best_lam * u).sum(), (best_lam * v).sum()
-        if it == 1 or (uu <= 0 and vv <= 0) or len(refine_rays) == 0:
+        if it == 1 or (uu <= 0 and vv <= 0):
             break
         cos_t, sin_t = _ray_angles(math.atan2(uu * wbar, vv) + np.asarray(refine_rays))  # the ray through (kV*, kU*)
     return best_lam
 
 
-def _solve_generators_members(gvals, k, wbar, best_f, t_best, n_rays=4, refine_rays=(0.0, -0.03, 0.03, -0.1, 0.1)):
-    """_solve_generators for every member at once: gvals [M, G, 3], k, wbar, best_f [M], t_best [M, G]. The same
-    rays, orders and edges per member (generators with c_g <= 0 sort last with t_g = 0 and move nothing). Returns
-    best_f, t_best and whether a member's t_best was improved."""
+def _solve_generators(gvals, k, wbar, best_f, t_best, refine_rays=(0.0, -0.03, 0.03, -0.1, 0.1)):
+    """All states parallelepipeds, every member at once (gvals [M, G, 3], k, wbar, best_f [M], t_best [M, G]):
+    f = sum t c - k (sum t u)(sum t v), t in [0, 1]^G; a ray's path adds generators by decreasing
+    c_g / (alpha u_g + beta_ v_g) (generators with c_g <= 0 sort last with t_g = 0 and move nothing). Returns best_f,
+    t_best and whether a member's t_best was improved."""
     m, g = gvals.shape[:2]
     rows = np.arange(m)
     pos = gvals[..., 0] > 0
     cuv = np.where(pos[..., None], gvals, 0.0)
     cs, us, vs = np.moveaxis(gvals, -1, 0)
     kk = k[:, None, None]
-    cos_t, sin_t = _GRID_RAYS if n_rays == 4 else _ray_angles(np.linspace(0.0, 0.5 * np.pi, n_rays))
-    cos_t, sin_t = np.broadcast_to(cos_t, (m, len(cos_t))), np.broadcast_to(sin_t, (m, len(sin_t)))
+    cos_t, sin_t = np.broadcast_to(_GRID_RAYS[0], (m, 4)), np.broadcast_to(_GRID_RAYS[1], (m, 4))
     improved, going = np.zeros(m, bool), pos.any(1)  # no generator with c_g > 0: t = 0 is optimal
     for it in range(2):
         wgt = cos_t[..., None] * cuv[:, None, :, 1] + (sin_t / wbar[:, None])[..., None] * cuv[:, None, :, 2]
@@ -508,11 +453,9 @@ def _solve_generators_members(gvals, k, wbar, best_f, t_best, n_rays=4, refine_r
 
 
 def solve_confidence_members(d, w, k):
-    """solve_confidence for every member: d, w [M, B, |A|], k [M]. States that are all parallelepipeds (always for
-    |A| <= 3) are solved for all members at once; a member with other states by solve_confidence alone. Exact."""
+    """lambda-bar* of every member: d, w [M, B, |A|], k [M]. Members whose states are all parallelepipeds (always
+    for |A| <= 3) are solved together; a member with other states by the sweep (_solve_mixed)."""
     m, bsz, n = d.shape
-    if m == 1:  # the single solver is faster on its own
-        return solve_confidence(d[0], w[0], k[0])[None]
     d = np.asarray(d, dtype=np.float64)
     w = np.minimum(np.maximum(np.asarray(w, dtype=np.float64), -W_CLAMP), W_CLAMP)
     scale = np.abs(d).max((1, 2), initial=0.0)[:, None, None]
@@ -527,7 +470,7 @@ def solve_confidence_members(d, w, k):
     wbar = np.where(sv > 0, sv / np.where(su > 0, su, 1.0), 1.0)
     if n == 2:  # one generator (1, 1) per state: lambda = (t, t)
         gvals = np.stack([c.sum(-1), u.sum(-1), v.sum(-1)], -1)
-        _, t, improved = _solve_generators_members(gvals, k, wbar, best_f, np.repeat(t_const[:, None], bsz, 1))
+        _, t, improved = _solve_generators(gvals, k, wbar, best_f, np.repeat(t_const[:, None], bsz, 1))
         lam = np.where(improved[:, None, None], t[..., None], lam)
     else:
         lonely, gvec = lonely_generators(d.reshape(-1, n))
@@ -536,12 +479,12 @@ def solve_confidence_members(d, w, k):
         if together.any():
             sub = np.flatnonzero(together)
             gvals = (gvec[sub] @ np.stack([c[sub], u[sub], v[sub]], -1)).reshape(len(sub), -1, 3)
-            _, t, improved = _solve_generators_members(gvals, k[sub], wbar[sub], best_f[sub],
+            _, t, improved = _solve_generators(gvals, k[sub], wbar[sub], best_f[sub],
                                                        np.repeat(t_const[sub, None], gvals.shape[1], 1))
             mixed = np.clip((t.reshape(len(sub), bsz, n - 1, 1) * gvec[sub]).sum(2), 0.0, 1.0)
             lam[sub] = np.where(improved[:, None, None], mixed, lam[sub])
-        for i in np.flatnonzero(~together):
-            lam[i] = solve_confidence(d[i], w[i], k[i])
+        for i in np.flatnonzero(~together & (su > 0)):
+            lam[i] = _solve_mixed(d[i], c[i], u[i], v[i], k[i], wbar[i], best_f[i], lam[i], lonely[i], gvec[i])
     return np.where((su == 0.0)[:, None, None], 0.0, lam)
 
 
@@ -599,13 +542,15 @@ FLAGS = ("mu", "gamma", "kappa_scale", "kappa_max", "kappa_decay", "pessimism", 
          "penalty_one_minus_mu")  # the flags the method's functions read, one row per member (common.columns)
 
 
-def policy_probs(obs, beta, q_network, confidence, p, pessimism, n_updates, unit):
-    """pi(.|s) [M, N, |A|] at arbitrary states obs [M, N, dim] (no gradient): the deployed residual policy."""
+def policy_probs(obs, beta, q_network, confidence, p, pessimism, n_updates, unit, q=None, log_beta=None,
+                 sqrt_beta=None):
+    """pi(.|s) [M, N, |A|] at arbitrary states obs [M, N, dim] (no gradient): the deployed residual policy. q (the
+    critic's values), log_beta, sqrt_beta: computed here unless given."""
     with torch.no_grad():
-        q = q_network(obs).double().numpy()
+        q = q_network(obs).double().numpy() if q is None else q
         w = q - mixed_value(q, beta, p.mu)[..., None]
         lam_tilde = confidence(obs).double().numpy()
-        rho, _ = candidate(beta, lam_tilde, w, p, pessimism, n_updates, unit)
+        rho, _ = candidate(beta, lam_tilde, w, p, pessimism, n_updates, unit, log_beta, sqrt_beta)
         lam = project_confidence(lam_tilde.reshape(-1, q.shape[-1]), (rho - beta).reshape(-1, q.shape[-1]))
         return residual_policy(beta, rho, lam.reshape(q.shape))
 
@@ -673,11 +618,16 @@ def deploy(runs, step, obs, q_network, confidence, p, unit, levels, certs):
         rows, beta = rows.expand(len(members), *rows.shape), np.broadcast_to(cert["beta"], (len(members), *cert["beta"].shape))
         sub, q_sub, confidence_sub = common.columns([runs.args[m] for m in members], *FLAGS), q_network.select(
             members), confidence.select(members)
-        q_batch = common.q_function(q_sub)(rows)
-        pis = [policy_probs(rows, beta, q_sub, confidence_sub, sub, np.full_like(sub.pessimism, level), step,
-                            unit[members]) for level in levels]
+        q_batch, pis = common.q_function(q_sub)(rows), {}
+
+        def pi_of(level: int, i: int) -> np.ndarray:  # every member's pi at a level, built when first asked for
+            if level not in pis:
+                pis[level] = policy_probs(rows, beta, q_sub, confidence_sub, sub, np.full_like(sub.pessimism, levels[
+                    level]), step, unit[members], q_batch, cert["log_beta"], cert["sqrt_beta"])
+            return pis[level][i]
+
         for i, m in enumerate(members):
-            level, certificates[m] = common.choose_level([pi[i] for pi in pis], q_batch[i], cert, z)
+            level, certificates[m] = common.choose_level(lambda lv: pi_of(lv, i), len(levels), q_batch[i], cert, z)
             pessimism[m] = levels[level]
             deploy_pi[m] = not runs.args[m].safety_test or certificates[m].get("certified", 0.0) == 1.0
     return pessimism, deploy_pi, certificates
@@ -703,6 +653,9 @@ def train(runs: common.Members) -> None:
         if a.epsilon not in certs:
             rows = beta_all[runs.rows(m)]
             certs[a.epsilon] = (*common.deployment_certificate(a, runs.data[m], rows, common.behavior_policy(runs.data[m])), [])
+            if certs[a.epsilon][0]:  # once, not at every evaluation
+                certs[a.epsilon][0].update(log_beta=log_probs(certs[a.epsilon][0]["beta"]),
+                                           sqrt_beta=sqrt_floored(certs[a.epsilon][0]["beta"]))
         certs[a.epsilon][2].append(m)
     levels = common.deploy_levels(first)
 

@@ -179,13 +179,15 @@ def mixed_value(q, beta, mu, q_max=None):
 FLAGS = ("mu", "gamma", "kappa_scale", "kappa_max", "kappa_decay", "pessimism", "advantage_unit", "lam")  # the flags the method's functions read, one row per member (common.columns)
 
 
-def policy_probs(obs, beta, q_network, confidence, p, pessimism, n_updates, unit):
-    """pi(.|s) [M, N, |A|] at arbitrary states obs [M, N, dim] (no gradient): the deployed residual policy."""
+def policy_probs(obs, beta, q_network, confidence, p, pessimism, n_updates, unit, q=None, log_beta=None,
+                 sqrt_beta=None):
+    """pi(.|s) [M, N, |A|] at arbitrary states obs [M, N, dim] (no gradient): the deployed residual policy. q (the
+    critic's values), log_beta, sqrt_beta: computed here unless given."""
     with torch.no_grad():
-        q = q_network(obs).double().numpy()
+        q = q_network(obs).double().numpy() if q is None else q
         w = q - mixed_value(q, beta, p.mu)[..., None]
         lam = confidence(obs)  # constant: already feasible
-        rho, _ = candidate(beta, lam, w, p, pessimism, n_updates, unit)
+        rho, _ = candidate(beta, lam, w, p, pessimism, n_updates, unit, log_beta, sqrt_beta)
         return residual_policy(beta, rho, lam)
 
 
@@ -252,11 +254,16 @@ def deploy(runs, step, obs, q_network, confidence, p, unit, levels, certs):
         rows, beta = rows.expand(len(members), *rows.shape), np.broadcast_to(cert["beta"], (len(members), *cert["beta"].shape))
         sub, q_sub, confidence_sub = common.columns([runs.args[m] for m in members], *FLAGS), q_network.select(
             members), confidence.select(members)
-        q_batch = common.q_function(q_sub)(rows)
-        pis = [policy_probs(rows, beta, q_sub, confidence_sub, sub, np.full_like(sub.pessimism, level), step,
-                            unit[members]) for level in levels]
+        q_batch, pis = common.q_function(q_sub)(rows), {}
+
+        def pi_of(level: int, i: int) -> np.ndarray:  # every member's pi at a level, built when first asked for
+            if level not in pis:
+                pis[level] = policy_probs(rows, beta, q_sub, confidence_sub, sub, np.full_like(sub.pessimism, levels[
+                    level]), step, unit[members], q_batch, cert["log_beta"], cert["sqrt_beta"])
+            return pis[level][i]
+
         for i, m in enumerate(members):
-            level, certificates[m] = common.choose_level([pi[i] for pi in pis], q_batch[i], cert, z)
+            level, certificates[m] = common.choose_level(lambda lv: pi_of(lv, i), len(levels), q_batch[i], cert, z)
             pessimism[m] = levels[level]
             deploy_pi[m] = not runs.args[m].safety_test or certificates[m].get("certified", 0.0) == 1.0
     return pessimism, deploy_pi, certificates
@@ -281,6 +288,9 @@ def train(runs: common.Members) -> None:
         if a.epsilon not in certs:
             rows = beta_all[runs.rows(m)]
             certs[a.epsilon] = (*common.deployment_certificate(a, runs.data[m], rows, common.behavior_policy(runs.data[m])), [])
+            if certs[a.epsilon][0]:  # once, not at every evaluation
+                certs[a.epsilon][0].update(log_beta=log_probs(certs[a.epsilon][0]["beta"]),
+                                           sqrt_beta=sqrt_floored(certs[a.epsilon][0]["beta"]))
         certs[a.epsilon][2].append(m)
     levels = common.deploy_levels(first)
 

@@ -12,6 +12,7 @@ import itertools
 import json
 import math
 import os
+import resource
 import signal
 import statistics
 import subprocess
@@ -68,6 +69,9 @@ class RunArgs:
     """minibatch size"""
     eval_frequency: int = 1_000
     """updates between evaluations (in the simulator; without one, the improvement certificate)"""
+    eval_sparse_frequency: int = 0
+    """updates between evaluations before the last 10 (0: every --eval-frequency throughout); e.g. 5000 draws a sparse
+    curve whose final score, the mean of the last 10 evaluations every --eval-frequency, keeps its definition"""
     eval_episodes: int = 40
     """episodes per evaluation, run side by side"""
     eval_seed: int = 10_000
@@ -153,6 +157,7 @@ def check_args(args, allow_inf: tuple = ()) -> None:
     for name in ("total_steps", "batch_size", "target_update_frequency", "eval_frequency", "eval_episodes"):
         if hasattr(args, name) and getattr(args, name) <= 0:
             fail(f"{flag(name)} must be positive, got {getattr(args, name)}")
+    require(args.eval_sparse_frequency >= 0, f"--eval-sparse-frequency must be >= 0, got {args.eval_sparse_frequency}")
     if args.eval_episodes > 10_000:  # one simulator each, side by side
         fail(f"--eval-episodes must be at most 10000, got {args.eval_episodes}")
     for eps in (args.epsilon, *(args.epsilons or ())):
@@ -915,7 +920,12 @@ class Members:
         return self.chunk[k]
 
     def due(self, step: int) -> bool:
-        return step % self.first.eval_frequency == 0 or step == self.first.total_steps
+        """Evaluate after this update? Every --eval-frequency updates (every --eval-sparse-frequency before the last
+        10 evaluations), and after the last."""
+        a = self.first
+        if a.eval_sparse_frequency and step <= a.total_steps - 10 * a.eval_frequency:
+            return step % a.eval_sparse_frequency == 0
+        return step % a.eval_frequency == 0 or step == a.total_steps
 
     def log(self, step: int, scalars: dict, every: int = 100) -> None:
         """TensorBoard scalars, name -> one value per member ([M] tensor or list), every `every` updates."""
@@ -1003,6 +1013,7 @@ class Members:
                 "score": "return" if self.simulator else "improvement_certificate",
                 "behavior_return": float(self.data[m]["behavior_return"]), "wall_time": time.time() - self.start,
                 "train_time": self.train_time, "eval_time": self.eval_time, "members": self.M,
+                "peak_memory_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,  # of the process
                 "updates_per_second": args.total_steps / self.train_time, "dataset_path": str(self.paths[m]),
                 "format_version": RESULT_FORMAT_VERSION, "extra": extra(m),
             }
@@ -1109,26 +1120,33 @@ def tv_to_beta(pi: np.ndarray, beta: np.ndarray) -> float:
     return float(0.5 * np.abs(pi - beta).sum(1).mean())
 
 
-def improvement_certificate(pi: np.ndarray, q: np.ndarray, cert: dict, z: float) -> dict:
-    """The first-order improvement g of pi over beta (the policy-gradient identity along beta + c (pi - beta)),
-    in the doubly robust form with the control variate q_cv(s, a), an affine function of q(s, a) (a critic's
-    action values, or the behaviour network's), E_beta q, max q, E_beta Q_b and max Q_b fitted to the returns
-    of the other half of the episodes (cross-fitting keeps it unbiased):
-        g = E_episodes[ sum_t sum_a (pi - beta)(a|s_t) q_cv(s_t, a) + (pi / beta - 1)(a_t|s_t) (G_t - q_cv(s_t, a_t)) ].
-    Returns g, its standard error over episodes, the one-sided lower bound g - z se and whether it is > 0."""
-    n = len(cert["actions"])
+def control_variate(q: np.ndarray, cert: dict) -> np.ndarray:
+    """q_cv(s_t, .) [N, |A|] of the certificate's rows: an affine function of q(s, a) (a critic's action values, or
+    the behaviour network's), E_beta q, max q, E_beta Q_b and max Q_b, fitted to the logged returns of the other half
+    of the episodes (cross-fitting keeps the certificate unbiased). It depends on q, not on pi: one fit serves every
+    policy compared on the same critic."""
     beta, taken, fold = cert["beta"], cert["actions"], cert["episode"] % 2
     state = np.concatenate([cert["state_features"], (beta * q).sum(-1)[:, None], q.max(-1)[:, None]], 1)
-    per_step = np.zeros(n)
+    q_cv = np.zeros_like(q, dtype=np.float64)
     for f in (0, 1):  # both halves hold >= 1 episode: n_episodes >= 2
         fit, use = fold != f, fold == f
         x_fit = np.concatenate([state[fit], q[fit, taken[fit]][:, None]], 1)
         coef = np.linalg.lstsq(x_fit, cert["returns"][fit], rcond=None)[0]
         # in sum_a (pi - beta) q_cv the state-only terms cancel: the direct term carries q(s, a) only
-        q_cv = (state[use] @ coef[:-1])[:, None] + coef[-1] * q[use]
-        direct = ((pi[use] - beta[use]) * q_cv).sum(-1)
-        weight = pi[use, taken[use]] / cert["beta_taken"][use] - 1.0  # beta(a_t|s_t) > 0 (certificate_data)
-        per_step[use] = direct + weight * (cert["returns"][use] - q_cv[np.arange(len(q_cv)), taken[use]])
+        q_cv[use] = (state[use] @ coef[:-1])[:, None] + coef[-1] * q[use]
+    return q_cv
+
+
+def improvement_certificate(pi: np.ndarray, q: np.ndarray, cert: dict, z: float, q_cv=None) -> dict:
+    """The first-order improvement g of pi over beta (the policy-gradient identity along beta + c (pi - beta)),
+    in the doubly robust form with the control variate q_cv (control_variate(q, cert) unless given):
+        g = E_episodes[ sum_t sum_a (pi - beta)(a|s_t) q_cv(s_t, a) + (pi / beta - 1)(a_t|s_t) (G_t - q_cv(s_t, a_t)) ].
+    Returns g, its standard error over episodes, the one-sided lower bound g - z se and whether it is > 0."""
+    q_cv = control_variate(q, cert) if q_cv is None else q_cv
+    rows, taken = np.arange(len(cert["actions"])), cert["actions"]
+    direct = ((pi - cert["beta"]) * q_cv).sum(-1)
+    weight = pi[rows, taken] / cert["beta_taken"] - 1.0  # beta(a_t|s_t) > 0 (certificate_data)
+    per_step = direct + weight * (cert["returns"] - q_cv[rows, taken])
     per_episode = np.bincount(cert["episode"], weights=per_step, minlength=cert["n_episodes"])
     g = float(per_episode.mean())
     se = float(per_episode.std(ddof=1) / math.sqrt(len(per_episode)))
@@ -1160,17 +1178,20 @@ def report_certificate(c: dict, n_episodes: int, args: DeployArgs, deploy_pi: bo
               "deployed: " + (f"pi, pessimism {pessimism:g}" if deploy_pi else "beta (the safety test)"))
 
 
-def choose_level(pis: list, q: np.ndarray, cert: dict, z: float) -> tuple[int, dict]:
-    """BRPO's deployed level (departure 11 in docs/brpo.md), from pi rebuilt with each --deploy-pessimism level: pi
-    as trained (the first) while the batch certifies it, else the certified level with the highest lower bound, else
-    the level nearest beta (what remains of Theorem 2's penalty when no gain is shown). Returns the level and its
-    certificate."""
-    options = [improvement_certificate(pi, q, cert, z) for pi in pis]
+def choose_level(pi_of, n_levels: int, q: np.ndarray, cert: dict, z: float) -> tuple[int, dict]:
+    """BRPO's deployed level (departure 11 in docs/brpo.md), from pi rebuilt with each --deploy-pessimism level
+    (pi_of(i), asked for only as needed): pi as trained (the first) while the batch certifies it, else the certified
+    level with the highest lower bound, else the level nearest beta (what remains of Theorem 2's penalty when no gain
+    is shown). Returns the level and its certificate."""
+    pis, q_cv = [pi_of(0)], control_variate(q, cert)
+    options = [improvement_certificate(pis[0], q, cert, z, q_cv)]
+    if options[0]["certified"]:
+        return 0, {**options[0], "tv_to_beta": tv_to_beta(pis[0], cert["beta"])}
+    pis += [pi_of(i) for i in range(1, n_levels)]
+    options += [improvement_certificate(pi, q, cert, z, q_cv) for pi in pis[1:]]
     distance = [tv_to_beta(pi, cert["beta"]) for pi in pis]
     certified = [i for i, o in enumerate(options) if o["certified"]]
-    if options[0]["certified"]:
-        level = 0
-    elif certified:
+    if certified:
         level = max(certified, key=lambda i: options[i]["certificate_lcb"])
     else:
         level = min(range(len(options)), key=lambda i: distance[i])
