@@ -747,6 +747,15 @@ class Simulators:
             self.venv = gym.make_vec(env_id, num_envs=n, vectorization_mode="vector_entry_point").unwrapped
         else:
             self.envs, self.seed = [make_env(env_id) for _ in range(n)], seed
+            # gymnasium's wrappers of a registered task only count steps and check call order: step the environments
+            # themselves and count the time limit here (a tenth of LunarLander's cost per step), if that is all
+            wrappers, env = [], self.envs[0]
+            while isinstance(env, gym.Wrapper):
+                wrappers.append(type(env))
+                env = env.env
+            plain = set(wrappers) <= {gym.wrappers.TimeLimit, gym.wrappers.OrderEnforcing, gym.wrappers.PassiveEnvChecker}
+            self.limit = self.envs[0].spec.max_episode_steps if plain and gym.wrappers.TimeLimit in wrappers else None
+            self.steppers = [e.unwrapped.step for e in self.envs] if self.limit else [e.step for e in self.envs]
 
     def run(self, act, noise_seed: int) -> np.ndarray:
         """Undiscounted returns [copies, episodes] of act(obs [copies, episodes, dim], u [episodes]) -> actions
@@ -763,8 +772,9 @@ class Simulators:
         else:
             obs = np.stack([env.reset(seed=self.seed + i % self.episodes)[0] for i, env in enumerate(self.envs)])
             obs = obs.astype(np.float32)
-        returns, active = np.zeros(n), np.ones(n, dtype=bool)
+        returns, active, t = np.zeros(n), np.ones(n, dtype=bool), 0
         while active.any():
+            t += 1
             u = torch.rand(self.episodes, generator=generator)
             with torch.no_grad():
                 actions = act(torch.from_numpy(obs).view(self.copies, self.episodes, -1), u).reshape(-1).numpy()
@@ -774,8 +784,8 @@ class Simulators:
                 active &= ~(term | trunc)
             else:
                 for j in np.flatnonzero(active):
-                    o, r, term, trunc, _ = self.envs[j].step(int(actions[j]))
-                    obs[j], returns[j], active[j] = o, returns[j] + r, not (term or trunc)
+                    o, r, term, trunc, _ = self.steppers[j](int(actions[j]))
+                    obs[j], returns[j], active[j] = o, returns[j] + r, not (term or trunc or t == self.limit)
         return returns.reshape(self.copies, self.episodes)
 
 

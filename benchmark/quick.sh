@@ -2,7 +2,7 @@
 # Quick preset of the Table 1 benchmark: the full grid of tasks, epsilons and algorithms, but only
 # 20,000 updates per run and 2 seeds (210 runs), with the paper's evaluation settings (every 1000
 # updates, 40 episodes; final score = mean of the last 10 evaluations).
-# Estimated wall time on a 2-core machine with 2 workers: about 30-60 minutes (see docs/benchmark.md).
+# Its 21 processes train 10 runs each as members (docs/benchmark.md).
 # Numbers are NOT comparable to the paper's (fewer updates, fewer seeds); use table1.sh for that.
 #
 #   bash benchmark/quick.sh              # WORKERS=2, results in benchmark/results/quick

@@ -1,6 +1,7 @@
 #!/bin/bash
 # Reproduce Table 1 of Sohn et al. (IJCAI 2020) with the paper's final hyperparameters (the scripts' defaults):
-# 3 tasks x 5 epsilons x 7 algorithms x 5 seeds = 525 runs, evaluation every 1000 updates over 40 episodes.
+# 3 tasks x 5 epsilons x 7 algorithms x 5 seeds = 525 runs, evaluation every 1000 updates over 40 episodes,
+# trained as 21 processes (one per task and algorithm, its 25 runs as members; docs/benchmark.md).
 # Missing datasets are created first (one collect_data.py call per task), then the runs, then the report.
 # Resumable: run it again after an interruption or failure and only unfinished runs are (re)started.
 #
@@ -8,10 +9,11 @@
 #   WORKERS=8 bash benchmark/table1.sh            # more processes (SEEDS="1 2 3", OUT=dir also work)
 #   TOTAL_STEPS=200000 bash benchmark/table1.sh   # override the scripts' default number of updates
 #   bash benchmark/table1.sh --dry-run            # print the commands only
+#   bash benchmark/table1.sh --eval-sparse-frequency 5000   # sparse curves: every 5000 updates, the last 10 every 1000
 #   bash benchmark/table1.sh --slurm              # write a Slurm job array instead (see docs/benchmark.md)
 #   OUT=benchmark/results/sweep bash benchmark/table1.sh --grid benchmark/paper_sweep.json   # paper's sweep
 #
-# Results: $OUT/<env>/eps<e>/<algo>/seed<k>/{result.json,run.log}; report: $OUT/report/table1.md + curves_*.png
+# Results: $OUT/<env>/eps<e>/<algo>/seed<k>/result.json, logs in $OUT/logs/; report: $OUT/report/table1.md + curves_*.png
 set -uo pipefail
 cd "$(dirname "$0")/.."
 

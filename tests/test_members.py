@@ -150,10 +150,12 @@ def test_member_names_sweeps_and_skip_finished(datasets, tmp_path):
     assert proc.returncode == 0 and proc.stdout.count("skipped") == 3 and (tmp_path / "w0" / "s1" / "result.json").is_file()
 
 
-@pytest.mark.parametrize("env_id", ["CartPole-v1", "Acrobot-v1"])
+@pytest.mark.parametrize("env_id", ["CartPole-v1", "Acrobot-v1", "LunarLander-v3", "MountainCar-v0"])  # MountainCar: its
+# 200-step limit ends the episodes
 def test_batched_evaluation_scores_what_one_simulator_per_episode_scores(env_id):
-    """Simulators (gymnasium's vectorised CartPole with its state set to the start states, or a list of
-    environments) returns, for every copy, the returns of the plain loop over env.reset(seed=seed + i)."""
+    """Simulators (gymnasium's vectorised CartPole and Acrobot on arrays with their state set to the start states,
+    or environments stepped without their wrappers, the time limit counted by Simulators) returns, for every copy,
+    the returns of the plain loop over env.reset(seed=seed + i)."""
     env = gym.make(env_id)
     dim, n_actions = env.observation_space.shape[0], env.action_space.n
     w = torch.randn(3, dim, n_actions, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
@@ -196,3 +198,23 @@ def test_acrobot_on_arrays_is_gymnasiums_acrobot():
                 if t or tr:
                     active[j], ended = False, ended + t
         assert (ended > n // 2) == swing  # swinging up ends most episodes early
+
+
+def test_sparse_curve_keeps_the_final_score_and_the_grid_accepts_it(datasets, tmp_path):
+    """--eval-sparse-frequency evaluates every N updates before the last 10 evaluations, which stay every
+    --eval-frequency (the final score's window); run_grid.py counts such a run as finished."""
+    import sys
+    sys.path.insert(0, str(REPO / "benchmark"))
+    import run_grid
+    proc = run([REPO / "bc.py", "--dataset-path", datasets[0.15], "--runs-dir", tmp_path, "--run-name", "s",
+                "--total-steps", "3000", "--eval-frequency", "100", "--eval-sparse-frequency", "1000",
+                "--eval-episodes", "2", "--no-tensorboard"])
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads((tmp_path / "s" / "result.json").read_text())
+    steps = [e["step"] for e in result["evaluations"]]
+    assert steps == [1000, 2000, *range(2100, 3001, 100)]
+    assert result["final_score"] == pytest.approx(np.mean([e["return_mean"] for e in result["evaluations"][-10:]]))
+    cell = run_grid.Cell("CartPole-v1", 0.15, "bc", 1)
+    assert run_grid.check_result(tmp_path / "s" / "result.json", cell, {"eval_sparse_frequency": 1000}) is None
+    assert "but 500 was requested" in run_grid.check_result(tmp_path / "s" / "result.json", cell, {
+        "eval_sparse_frequency": 500})  # another schedule: rerun
