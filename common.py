@@ -730,22 +730,16 @@ class Simulators:
     def __init__(self, env_id: str, copies: int, episodes: int, seed: int):
         self.copies, self.episodes, n = copies, episodes, copies * episodes
         self.vector, self.acrobot = env_id == "CartPole-v1", env_id == "Acrobot-v1"
-        if self.acrobot:
-            env = make_env(env_id)
-            starts = []
+        if self.acrobot or self.vector:  # the start states [4, n] of reset(seed=seed + i), as the env stores them
+            env, starts = make_env(env_id), []
             for i in range(episodes):
                 env.reset(seed=seed + i)
-                starts.append(np.array(env.unwrapped.state))  # float32, as AcrobotEnv.reset stores it
+                starts.append(np.array(env.unwrapped.state))
             self.starts = np.tile(np.stack(starts, 1), (1, copies))
-        elif self.vector:
-            env = make_env(env_id)
-            starts = []
-            for i in range(episodes):
-                env.reset(seed=seed + i)
-                starts.append(np.array(env.unwrapped.state, dtype=np.float64))
-            self.starts = np.tile(np.stack(starts, 1), (1, copies))  # [4, n], episode-major inside each copy
+        if self.vector:  # its state is float64
+            self.starts = self.starts.astype(np.float64)
             self.venv = gym.make_vec(env_id, num_envs=n, vectorization_mode="vector_entry_point").unwrapped
-        else:
+        if not (self.acrobot or self.vector):
             self.envs, self.seed = [make_env(env_id) for _ in range(n)], seed
             # gymnasium's wrappers of a registered task only count steps and check call order: step the environments
             # themselves and count the time limit here (a tenth of LunarLander's cost per step), if that is all
