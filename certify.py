@@ -29,7 +29,7 @@ import tyro
 import common
 from common import fail, require
 
-SCRIPTS = ("bc", "dqn_offline", "klq", "bcq_discrete", "spibb", "brpo", "brpo_c")
+SCRIPTS = ("bc", "dqn_offline", "klq", "bcq_discrete", "spibb", "brpo", "brpo_c", "cql_discrete")
 
 
 @dataclass

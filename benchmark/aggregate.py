@@ -8,7 +8,9 @@ sibling ``seed<k>`` run directories written by run_grid.py (results laid out dif
 their hyperparameters instead). When several configurations of an algorithm exist for a (task, epsilon)
 cell -- a sweep -- the one with the highest mean final score is reported, as in the paper, and the
 selection is listed. Cells show mean +- sample standard deviation (ddof=1) over seeds of final_score,
-the paper's value beside it; the top-2 algorithms of each row are bold.
+the paper's value beside it; the top-2 of the paper's seven algorithms in each row are bold. The algorithms this
+repository adds (CQL) are columns after the paper's, shown when they have results or are named in --algos, with
+no paper value and no rank.
 
 Outputs (written atomically): table1.md, configs.csv, runs.csv, curves_<env>.png (mean +- standard error over
 seeds).
@@ -41,7 +43,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from run_grid import ALGORITHMS, ENVS, ENV_RENAMES, RESULT_FILE, check_result, fmt_value, norm_key  # noqa: E402
+from run_grid import (ALGORITHMS, ENVS, ENV_RENAMES, PAPER_ALGORITHMS, RESULT_FILE, check_result, fmt_value,  # noqa: E402
+                      norm_key)
 
 PAPER_CSV = Path(__file__).resolve().parent / "paper_table1.csv"
 LABELS = {key: label for key, (_, label) in ALGORITHMS.items()}
@@ -320,10 +323,14 @@ def top2(means: dict[str, float]) -> set[str]:
 
 def build_report(root: Path, runs: list[Run], skipped, expected_seeds: int | None, paper,
                  invocations: list[str], command: str, algos: list[str] | None = None) -> tuple[str, dict]:
-    # the columns: every algorithm, or the chosen ones (--algos, whose runs main() already selected) in the
-    # paper's order; "top-2" is then among the shown columns (no bold with fewer than three: it would be all)
-    shown = [a for a in ALGO_ORDER if algos is None or a in algos]
-    rank = len(shown) >= 3
+    # the columns: the paper's algorithms and those of ours that have runs, or the chosen ones (--algos, whose runs
+    # main() already selected) in the paper's order; "top-2" is among the shown columns of the paper's algorithms
+    # (ours have no paper value to compare with; no bold with fewer than three: it would be all)
+    shown = [a for a in ALGO_ORDER if (a in algos if algos is not None else
+                                       a in PAPER_ALGORITHMS or any(r.algo == a for r in runs))]
+    ranks = [a for a in shown if a in PAPER_ALGORITHMS]
+    ours = [a for a in shown if a not in PAPER_ALGORITHMS]
+    rank = len(ranks) >= 3
     cells, warnings = group_cells(runs)
     rows = sorted({(env, eps) for env, eps, _ in cells}, key=lambda r: row_key(*r))
     n_expected = expected_seeds or max((c.n for cell in cells.values() for c in cell.configs), default=0)
@@ -340,10 +347,10 @@ def build_report(root: Path, runs: list[Run], skipped, expected_seeds: int | Non
     lines.append("| " + " | ".join(header) + " |")
     lines.append("|" + "---|" * len(header))
     for env, eps in rows:
-        means = {a: cells[(env, eps, a)].selected.stats[0] for a in shown if (env, eps, a) in cells}
-        # a row is ranked only when every shown column has a result in it: top-2 among the columns that
+        means = {a: cells[(env, eps, a)].selected.stats[0] for a in ranks if (env, eps, a) in cells}
+        # a row is ranked only when every ranked column has a result in it: top-2 among the columns that
         # happen to have finished (a partial grid) would bold whatever ran first
-        ranked = rank and len(means) == len(shown)
+        ranked = rank and len(means) == len(ranks)
         best = top2(means) if ranked else set()
         beh_values = behavior.get((env, eps), [])
         beh = sum(beh_values) / len(beh_values) if beh_values else None
@@ -367,7 +374,7 @@ def build_report(root: Path, runs: list[Run], skipped, expected_seeds: int | Non
                 text += f" n={n}/{n_expected}"
             cells_text.append(text + paper_txt)
             summary[a]["rows"] += 1
-            summary[a]["ranked"] += ranked
+            summary[a]["ranked"] += ranked and a in ranks
             summary[a]["top2"] += a in best
             if beh is not None and m >= beh:
                 summary[a]["ge_behavior"] += 1
@@ -416,11 +423,13 @@ def build_report(root: Path, runs: list[Run], skipped, expected_seeds: int | Non
         "Each run's score is its `final_score` (mean of the last 10 evaluations, the paper's sliding window of 10; "
         "each evaluation averages its evaluation episodes). Cells: mean ± **sample** standard deviation "
         "(ddof=1) over seeds (the paper does not say which it used); no ± when only one seed. "
-        + ("Bold: top-2 of the row among the seven algorithms (ties included), in rows where all seven have a "
-           "result. " if len(shown) == len(ALGO_ORDER) else
+        + ("Bold: top-2 of the row among the paper's seven algorithms (ties included), in rows where all seven have "
+           "a result. " if len(ranks) == len(PAPER_ALGORITHMS) else
            f"Only {', '.join(LABELS[a] for a in shown)} shown (`--algos`); "
-           + ("bold: top-2 of the row among them (ties included), in rows where all of them have a result. "
-              if rank else "no top-2 marks. "))
+           + (f"bold: top-2 of the row among {'them' if not ours else ', '.join(LABELS[a] for a in ranks)} (ties "
+              "included), in rows where all of them have a result. " if rank else "no top-2 marks. "))
+        + (f"{', '.join(LABELS[a] for a in ours)}: not in the paper (added here), so no paper value and not ranked. "
+           if ours else "")
         + "`n=k/N`: only k of N seeds finished; "
         "`—`: no finished run. In parentheses: the paper's value. The paper's LunarLander-v2 rows are "
         "compared with our LunarLander-v3. Behavior: the dataset's measured ε-greedy behaviour return "
@@ -449,15 +458,17 @@ def build_report(root: Path, runs: list[Run], skipped, expected_seeds: int | Non
     # summary ----------------------------------------------------------------------------------
     body += ["", "## Summary", "",
              "How often each algorithm's mean is at or above the behaviour policy, over the rows it has results "
-             "for (Rows), and how often it is among the top-2 of a row, over the rows where every column has a "
+             "for (Rows), and how often it is among the top-2 of a row, over the rows where every ranked column has a "
              "result (Ranked); the paper's columns count the same rows with the paper's numbers"
-             + ("" if len(shown) == len(ALGO_ORDER) else "; the paper's top-2 is among all seven algorithms") + ".", "",
+             + ("" if len(ranks) == len(PAPER_ALGORITHMS) else "; the paper's top-2 is among all seven algorithms")
+             + ("" if not ours else f"; {', '.join(LABELS[a] for a in ours)}: not in the paper, not ranked") + ".", "",
              "| Algorithm | Rows | ≥ Behavior | ≥ Behavior (paper) | Ranked | Top-2 | Top-2 (paper) |",
              "|---|---|---|---|---|---|---|"]
     for a in shown:
         s = summary[a]
-        body.append(f"| {LABELS[a]} | {s['rows']} | {s['ge_behavior']} | {s['paper_ge_behavior']} | "
-                    + (f"{s['ranked']} | {s['top2']} | {s['paper_top2']} |" if rank else "— | — | — |"))
+        body.append(f"| {LABELS[a]} | {s['rows']} | {s['ge_behavior']} | "
+                    + (f"{s['paper_ge_behavior']} | " if a in ranks else "— | ")
+                    + (f"{s['ranked']} | {s['top2']} | {s['paper_top2']} |" if rank and a in ranks else "— | — | — |"))
     if warnings or skipped:
         body += ["", "## Warnings", ""]
         body += [f"- {w}" for w in warnings]
@@ -598,7 +609,8 @@ def _main(argv: list[str] | None = None) -> int:
                    help="also count the runs listed in this earlier runs.csv (repeatable); a result.json of the "
                         "same cell, configuration and seed replaces its row")
     p.add_argument("--algos", nargs="+", default=None, metavar="ALGO",
-                   help=f"only these algorithms' columns ({' '.join(ALGO_ORDER)}; default: all)")
+                   help=f"only these algorithms' columns ({' '.join(ALGO_ORDER)}; default: the paper's and any "
+                        "other with results)")
     argv = list(sys.argv[1:] if argv is None else argv)
     opts = p.parse_args(argv)
     try:

@@ -10,7 +10,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # the scripts import common.py from their directory, as `python script.py` does
-ALGORITHMS = ("dqn_offline.py", "bc.py", "brpo.py", "brpo_c.py", "bcq_discrete.py", "klq.py", "spibb.py")
+ALGORITHMS = ("dqn_offline.py", "bc.py", "brpo.py", "brpo_c.py", "bcq_discrete.py", "klq.py", "spibb.py",
+              "cql_discrete.py")
 
 
 def run(args: list[str], cwd: Path | None = None, timeout: float = 300) -> subprocess.CompletedProcess:

@@ -1,5 +1,5 @@
-"""The baselines BCQ (bcq_discrete.py), KL-Q (klq.py) and SPIBB (spibb.py): each one's defining
-invariant on its own functions, no NaN/inf at epsilon 0.05, 0 and 1, and short end-to-end runs
+"""The baselines BCQ (bcq_discrete.py), KL-Q (klq.py), SPIBB (spibb.py) and CQL (cql_discrete.py): each one's
+defining invariant on its own functions, no NaN/inf at epsilon 0.05, 0 and 1, and short end-to-end runs
 (result.json, determinism, checkpoints). The contract shared with every script is in test_common.py."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 
 from conftest import REPO, make_dataset, run
 
-BASELINES = ("bcq_discrete.py", "klq.py", "spibb.py")
+BASELINES = ("bcq_discrete.py", "klq.py", "spibb.py", "cql_discrete.py")
 TINY = dict(env_id="CartPole-v1", total_steps=300, eval_frequency=100, eval_episodes=2, tensorboard=False)
 
 
@@ -43,6 +43,11 @@ def klq():
 @pytest.fixture(scope="module")
 def spibb():
     return load_script("spibb.py")
+
+
+@pytest.fixture(scope="module")
+def cql():
+    return load_script("cql_discrete.py")
 
 
 @pytest.fixture(scope="module")
@@ -253,6 +258,29 @@ def test_spibb_evaluation_policy(spibb, data, tmp_path):
 
 
 # ----------------------------------------------------------------------------------------------
+# CQL
+def test_cql_gap_is_logsumexp_minus_the_batch_action_value(cql):
+    """cql_gap against log(sum_a exp Q(s, a)) - Q(s, a_data) computed in float64 on its own (shifted by the max, so
+    that Q of a few hundred does not overflow); it is never negative, and its gradient, the push of eq. 4 on Q, is
+    softmax(Q(s, .)) - onehot(a_data): down on every action by its softmax weight, up on the batch's action."""
+    g = torch.Generator().manual_seed(0)
+    for scale in (1.0, 300.0):
+        q = (torch.randn(2, 64, 3, generator=g) * scale).requires_grad_()
+        actions = torch.randint(3, (2, 64), generator=g)
+        gap = cql.cql_gap(q, actions)
+        qd = q.detach().double().numpy()
+        top, taken = qd.max(-1), np.take_along_axis(qd, actions.numpy()[..., None], -1)[..., 0]
+        reference = top + np.log(np.exp(qd - top[..., None]).sum(-1)) - taken
+        assert gap.shape == (2, 64) and np.allclose(gap.detach().double().numpy(), reference, rtol=1e-6, atol=1e-4)
+        assert (gap >= 0).all()
+        gap.sum().backward()
+        push = torch.softmax(q.detach().double(), -1) - torch.nn.functional.one_hot(actions, 3).double()
+        assert torch.allclose(q.grad.double(), push, atol=1e-6)
+    # equal Q on every action: the gap is log |A| whatever the batch's action
+    assert torch.allclose(cql.cql_gap(torch.full((1, 5, 4), 7.0), torch.arange(5)[None] % 4), torch.full((1, 5), math.log(4)))
+
+
+# ----------------------------------------------------------------------------------------------
 # Runs
 @pytest.mark.parametrize("name", BASELINES)
 def test_no_nan_at_eps_005_0_and_1(name, data, tmp_path):
@@ -279,8 +307,49 @@ def test_klq_weight_zero_and_spibb_threshold_zero_are_dqn(data, tmp_path):
         assert torch.allclose(nets["klq.py"][k], nets["dqn_offline.py"][k], atol=1e-4)
 
 
+def test_cql_alpha_zero_is_dqn(data, tmp_path):
+    """At alpha 0 cql_discrete.py trains dqn_offline.py's network bit for bit (the regulariser's zero gradient
+    adds exact zeros); at alpha 1 it does not."""
+    nets = {}
+    for name, overrides in (("cql_discrete.py", dict(cql_alpha=0.0)), ("dqn_offline.py", {}),
+                            ("cql_discrete.py", dict(cql_alpha=1.0))):
+        run_name = name + str(overrides)
+        train_in_process(load_script(name), data[0.05], 0.05, tmp_path, run_name, save_model=True, **overrides)
+        nets[run_name] = torch.load(tmp_path / run_name / "model.pt", weights_only=True)["q_network"]
+    dqn, alpha0, alpha1 = (nets[k] for k in ("dqn_offline.py{}", "cql_discrete.py{'cql_alpha': 0.0}",
+                                             "cql_discrete.py{'cql_alpha': 1.0}"))
+    assert all(torch.equal(dqn[k], alpha0[k]) for k in dqn)
+    assert not all(torch.equal(dqn[k], alpha1[k]) for k in dqn)
+
+
+def test_cql_alpha_is_a_member_flag(cql, data, tmp_path, monkeypatch):
+    """--sweep cql-alpha=0,2: each member trains as the run with its alpha alone (the [M, 1] column reaches each
+    member's loss), and the larger alpha ends with the smaller gap logsumexp_a Q - Q(s, a_data) on its minibatches."""
+    seen = {}
+
+    def log(self, step, scalars, every=100):
+        for name, values in scalars.items():
+            seen.setdefault(name, []).append(torch.as_tensor(values).detach().double())
+    monkeypatch.setattr(cql.common.Members, "log", log)
+
+    def losses(**overrides):
+        seen.clear()
+        cql.main(dataclasses.replace(cql.Args(), **{**TINY, "total_steps": 1000, "eval_frequency": 500, "epsilon": 0.05,
+                                                    "dataset_path": str(data[0.05]), "runs_dir": str(tmp_path), **overrides}))
+        return {name: torch.stack(v) for name, v in seen.items()}  # name -> [updates, members]
+    together = losses(sweep=("cql-alpha=0,2",), run_name="a{cql_alpha}")
+    alone = [losses(cql_alpha=a, run_name=f"alone{a:g}") for a in (0.0, 2.0)]
+    for m, single in enumerate(alone):
+        for name in ("losses/td_loss", "losses/cql_loss"):
+            assert torch.allclose(together[name][:, m], single[name][:, 0], rtol=1e-4, atol=1e-6), (m, name)
+        assert (single["losses/cql_loss"] >= 0).all()
+    assert json.loads((tmp_path / "a2" / "result.json").read_text())["args"]["cql_alpha"] == 2.0
+    last = [single["losses/cql_loss"][-100:].mean().item() for single in alone]
+    assert last[1] < 0.75 * last[0], last  # measured: 0.69 (about log 2: CartPole's two Q values alike) and 0.39
+
+
 @pytest.mark.parametrize("name,option", [("bcq_discrete.py", "--bcq-threshold"), ("klq.py", "--kl-weight"),
-                                         ("spibb.py", "--spibb-threshold")])
+                                         ("spibb.py", "--spibb-threshold"), ("cql_discrete.py", "--cql-alpha")])
 def test_end_to_end_determinism_and_checkpoint(name, option, data, tmp_path):
     module = load_script(name)
     ra = train_in_process(module, data[0.05], 0.05, tmp_path, "a", seed=5)
@@ -296,7 +365,8 @@ def test_end_to_end_determinism_and_checkpoint(name, option, data, tmp_path):
     assert result["algorithm"] == name[:-3] and result["evaluations"] == ra["evaluations"]
     assert [e["step"] for e in result["evaluations"]] == [100, 200, 300] and result["format_version"] == 1
     assert result["args"][option[2:].replace("-", "_")] == pytest.approx({"--bcq-threshold": 0.3, "--kl-weight": 0.1,
-                                                                           "--spibb-threshold": 0.2}[option])
+                                                                           "--spibb-threshold": 0.2,
+                                                                           "--cql-alpha": 1.0}[option])
     ev = run([REPO / name, "--eval-checkpoint", tmp_path / "cli" / "model.pt", "--eval-episodes", "2"])
     assert ev.returncode == 0, ev.stderr
     assert float(re.search(r"return (-?[\d.]+)", ev.stdout).group(1)) == pytest.approx(
@@ -306,7 +376,8 @@ def test_end_to_end_determinism_and_checkpoint(name, option, data, tmp_path):
 def test_bad_algorithm_options_fail_clearly(data, tmp_path):
     for name, overrides, needle in (("bcq_discrete.py", dict(bcq_threshold=1.5), "--bcq-threshold"),
                                     ("klq.py", dict(kl_weight=-0.1), "--kl-weight"),
-                                    ("spibb.py", dict(spibb_threshold=-0.2), "--spibb-threshold")):
+                                    ("spibb.py", dict(spibb_threshold=-0.2), "--spibb-threshold"),
+                                    ("cql_discrete.py", dict(cql_alpha=-1.0), "--cql-alpha")):
         with pytest.raises(SystemExit) as exc:
             train_in_process(load_script(name), data[0.05], 0.05, tmp_path / "runs", "x", **overrides)
         assert needle in str(exc.value.code) and not (tmp_path / "runs").exists()

@@ -23,7 +23,7 @@ BENCH = Path(__file__).resolve().parent.parent / "benchmark"
 sys.path.insert(0, str(BENCH))
 import aggregate  # noqa: E402
 import run_grid  # noqa: E402
-from run_grid import ALGORITHMS, Cell, expand_grid  # noqa: E402
+from run_grid import ALGORITHMS, PAPER_ALGORITHMS, Cell, expand_grid  # noqa: E402
 
 FAKE_ALGO = textwrap.dedent('''
     """Fake algorithm script honouring the member flags of the scripts (--epsilons, --seeds, --sweep, a run-name
@@ -108,7 +108,7 @@ FAKE_COLLECT = textwrap.dedent('''
 
 @pytest.fixture
 def repo(tmp_path, monkeypatch):
-    """A fake repo: the seven algorithm scripts + collect_data.py, all fakes."""
+    """A fake repo: the algorithm scripts + collect_data.py, all fakes."""
     root = tmp_path / "repo"
     root.mkdir()
     for script, _ in ALGORITHMS.values():
@@ -136,7 +136,7 @@ def small_grid_args(repo, out, *extra):
 # grid expansion
 # ----------------------------------------------------------------------------------------------
 def test_paper_grid_counts_and_unique_names():
-    cells = expand_grid(run_grid.ENVS, run_grid.PAPER_EPSILONS, list(ALGORITHMS), run_grid.PAPER_SEEDS)
+    cells = expand_grid(run_grid.ENVS, run_grid.PAPER_EPSILONS, list(PAPER_ALGORITHMS), run_grid.PAPER_SEEDS)
     assert len(cells) == 3 * 5 * 7 * 5
     assert len({c.run_name for c in cells}) == len(cells)
     assert len(set(cells)) == len(cells)
@@ -156,7 +156,7 @@ def test_sweep_expansion_counts_and_dedup():
 
 
 def test_paper_sweep_file_matches_paper_ranges():
-    algos = list(ALGORITHMS)
+    algos = list(PAPER_ALGORITHMS)
     grid = run_grid.load_grid_file(BENCH / "paper_sweep.json", algos)
     assert grid["brpo_c"]["lam"] == [0.25, 0.33, 0.5, 0.66, 0.75]
     assert grid["brpo"]["confidence_learning_rate"] == [0.0002, 0.0001]
@@ -167,6 +167,20 @@ def test_paper_sweep_file_matches_paper_ranges():
     assert len(cells) == expected == 9 + 135 + 54 + 36 + 36 + 36 + 3
     assert len({c.run_name for c in cells}) == len(cells)
     assert run_grid.unknown_flag_warnings(grid) == []
+    # CQL, not in the paper: DQN's ranges and our alpha range, every flag one of cql_discrete.py's
+    grid = run_grid.load_grid_file(BENCH / "paper_sweep.json", list(ALGORITHMS))
+    assert {k: v for k, v in grid["cql"].items() if k != "cql_alpha"} == grid["dqn"]
+    assert grid["cql"]["cql_alpha"] == [0.1, 0.5, 1.0, 2.0, 5.0]
+    assert len(expand_grid(["CartPole-v1"], [0.5], ["cql"], [1], grid)) == 9 * 5
+    assert run_grid.unknown_flag_warnings(grid) == []
+
+
+def test_default_grid_is_the_papers_seven_and_cql_is_known():
+    assert run_grid.make_parser().parse_args([]).algos == list(PAPER_ALGORITHMS) == [
+        a for a in ALGORITHMS if a != "cql"]
+    assert run_grid.canonical_algo("cql_discrete") == run_grid.canonical_algo("CQL") == "cql"
+    assert ALGORITHMS["cql"] == ("cql_discrete.py", "CQL") and list(ALGORITHMS)[-1] == "cql"
+    assert run_grid.member_flags(BENCH.parent / "cql_discrete.py") >= {"cql_alpha"}
 
 
 def test_flags_are_read_from_the_scripts():
@@ -219,7 +233,7 @@ def test_packs_hold_every_cell_exactly_once():
                     for e in pack.epsilons for seed in pack.seeds
                     for values in itertools.product(*pack.swept.values())}
                 assert len(members) == pack.size and members <= names
-    table1 = run_grid.pack_cells(expand_grid(run_grid.ENVS, run_grid.PAPER_EPSILONS, list(ALGORITHMS),
+    table1 = run_grid.pack_cells(expand_grid(run_grid.ENVS, run_grid.PAPER_EPSILONS, list(PAPER_ALGORITHMS),
                                              run_grid.PAPER_SEEDS), BENCH.parent, 100)
     assert len(table1) == 3 * 7 and all(pack.size == 25 for pack in table1)  # one process per task and algorithm
 
@@ -500,7 +514,8 @@ def test_aggregate_table_stats_top2_missing(tmp_path, capsys):
     text = (res / "report" / "table1.md").read_text()
     assert "| Acrobot-v1-0.15 |" in capsys.readouterr().out  # the table is also printed
     cols = table_row(text, "Acrobot-v1-0.15")
-    labels = [ALGORITHMS[a][1] for a in ALGORITHMS]
+    labels = [ALGORITHMS[a][1] for a in PAPER_ALGORITHMS]  # no CQL column: no CQL results
+    assert "| Task-ε | " + " | ".join(labels) + " | Behavior |" in text
     cell = dict(zip(labels + ["Behavior"], cols))
     assert cell["DQN"] == "20.0 ± 10.0 (paper -83.1)"  # sample std (ddof=1)
     assert cell["BRPO"] == "**110.0 ± 10.0** (paper -86.1)"
@@ -587,6 +602,33 @@ def test_aggregate_algos_restricts_the_columns(tmp_path, capsys):
     assert aggregate.main([str(res), "--algos", "klq"]) == 2
     assert capsys.readouterr().err.strip() == f"aggregate.py: error: no valid result.json under '{res}' for --algos klq"
     assert not (res / "report").exists()
+
+
+def test_aggregate_cql_column_has_no_paper_value_and_no_rank(tmp_path):
+    """CQL, not in the paper, is the column after BC when it has results: never bold (the top-2 stays among the
+    paper's seven, here BRPO and BRPO-C under CQL's 500), no paper value, no paper or rank counts in the summary."""
+    res = tmp_path / "res"
+    for algo, score in {"dqn": 10, "brpo_c": 40, "brpo": 60, "bcq": 0, "klq": 20, "spibb": 5, "bc": -5, "cql": 500}.items():
+        write_result(res, "CartPole-v1", 0.15, algo, 1, float(score), behavior=50.0)
+    assert aggregate.main([str(res), "--out", str(tmp_path / "rep"), "--no-plots"]) == 0
+    text = (tmp_path / "rep" / "table1.md").read_text()
+    labels = [ALGORITHMS[a][1] for a in ALGORITHMS]
+    assert labels[-1] == "CQL" and "| Task-ε | " + " | ".join(labels) + " | Behavior |" in text
+    row = dict(zip(labels + ["Behavior"], table_row(text, "CartPole-v1-0.15")))
+    assert row["CQL"] == "500.0" and row["BRPO"] == "**60.0** (paper 409.9)" and row["BRPO-C"] == "**40.0** (paper 305.6)"
+    assert sum("**" in c for c in row.values()) == 2 and "top-2 of the row among the paper's seven" in text
+    summary = {line.split("|")[1].strip(): [c.strip() for c in line.strip("|").split("|")]
+               for line in text.split("## Summary")[1].splitlines() if line.startswith("| ") and "Algorithm" not in line}
+    # rows, >= behaviour (ours, paper), ranked rows, top-2 (ours, paper on the same rows)
+    assert summary["CQL"][1:7] == ["1", "1", "—", "—", "—", "—"]
+    assert summary["BRPO"][1:7] == ["1", "1", "1", "1", "1", "1"] and summary["KL-Q"][1:7] == ["1", "0", "1", "1", "0", "1"]
+    # --algos with three of the paper's and CQL: top-2 among the three
+    assert aggregate.main([str(res), "--out", str(tmp_path / "rep2"), "--no-plots", "--algos", "cql", "dqn", "bc",
+                           "klq"]) == 0
+    text = (tmp_path / "rep2" / "table1.md").read_text()
+    assert table_row(text, "CartPole-v1-0.15") == ["**10.0** (paper 299.3)", "**20.0** (paper 357.7)",
+                                                   "-5.0 (paper 151.6)", "500.0", "50.0 (paper 149.5)"]
+    assert "top-2 of the row among DQN, KL-Q, BC" in text and "CQL: not in the paper" in text
 
 
 def test_aggregate_learning_curve_stats():

@@ -53,7 +53,7 @@ def test_a_member_is_the_run_with_its_seed_alone(name, task_datasets, tmp_path, 
                                **flags)
     for m, (eps, seed) in enumerate([(0.15, 1), (0.15, 2), (1.0, 1), (1.0, 2)]):
         alone = recorded_losses(module, monkeypatch, seed=seed, epsilon=eps, run_name=f"alone{eps:g}_{seed}", **flags)
-        for loss in ("losses/td_loss", "losses/nll"):
+        for loss in ("losses/td_loss", "losses/nll", "losses/cql_loss"):
             if loss in alone:
                 np.testing.assert_allclose(together[loss][:, m], alone[loss][:, 0], rtol=1e-4, atol=1e-6)
         member = json.loads((tmp_path / "runs" / f"{eps:g}" / str(seed) / "result.json").read_text())
