@@ -721,6 +721,78 @@ class AcrobotVector:
         return self.obs(), np.where(terminated, 0.0, -1.0), terminated, np.full_like(terminated, self.steps >= self.limit)
 
 
+class LunarLanderSteps:
+    """LunarLander-v3 (discrete, no wind) for n episodes: gymnasium's environments and their Box2D worlds, each time
+    step applying the engine impulses, stepping the world and computing the observation, reward and termination as
+    LunarLander.step does, in the same float64 operations (the same trajectories, tested), without its per-call checks.
+    The engines' dispersion draws come from the environment's own generator, two per step as in step(), drawn a block
+    at a time after each reset (a Generator's uniforms are the same numbers drawn one by one or as an array).
+    step(active, actions) -> the active episodes' observations [k, 8] float32, rewards [k], terminated [k]."""
+
+    BLOCK = 2048  # dispersion draws per reset: two per step, episodes of at most 1,000 steps
+
+    def __init__(self, envs: list):
+        from gymnasium.envs.box2d import lunar_lander as ll
+        self.envs, self.ll, self.t = [e.unwrapped for e in envs], ll, 0
+        self.sin, self.cos, self.sqrt = math.sin, math.cos, math.sqrt
+
+    def reset(self, seeds) -> np.ndarray:
+        obs = np.stack([env.reset(seed=s)[0] for env, s in zip(self.envs, seeds)])
+        self.noise = [(env.np_random.uniform(-1.0, 1.0, self.BLOCK) / self.ll.SCALE).tolist() for env in self.envs]
+        self.t = 0
+        return obs
+
+    def step(self, active: np.ndarray, actions: np.ndarray):
+        ll, sin, cos, sqrt, i0 = self.ll, self.sin, self.cos, self.sqrt, 2 * self.t
+        scale, w2, h2 = ll.SCALE, ll.VIEWPORT_W / ll.SCALE / 2, ll.VIEWPORT_H / ll.SCALE / 2
+        main_y, main_power, side_power = ll.MAIN_ENGINE_Y_LOCATION / scale, ll.MAIN_ENGINE_POWER, ll.SIDE_ENGINE_POWER
+        side_away, leg_down, fps = ll.SIDE_ENGINE_AWAY / scale, ll.LEG_DOWN / scale, ll.FPS
+        if i0 + 1 >= len(self.noise[0]):  # a longer time limit than LunarLander's: the generators' next draws
+            self.noise = [n + (env.np_random.uniform(-1.0, 1.0, self.BLOCK) / scale).tolist() for n, env in
+                          zip(self.noise, self.envs)]
+        obs, rewards, done = [], [], []
+        for j, a in zip(active.tolist(), actions.tolist()):
+            env = self.envs[j]
+            lander, d0, d1 = env.lander, self.noise[j][i0], self.noise[j][i0 + 1]
+            tip0, tip1 = sin(lander.angle), cos(lander.angle)
+            m_power = s_power = 0.0
+            if a == 2:  # main engine
+                m_power = 1.0
+                ox = tip0 * (main_y + 2 * d0) + (-tip1) * d1
+                oy = -tip1 * (main_y + 2 * d0) - tip0 * d1
+                pos = lander.position
+                lander.ApplyLinearImpulse((-ox * main_power * m_power, -oy * main_power * m_power),
+                                          (pos[0] + ox, pos[1] + oy), True)
+            elif a == 1 or a == 3:  # orientation engines
+                direction, s_power = a - 2, 1.0
+                ox = tip0 * d0 + (-tip1) * (3 * d1 + direction * side_away)
+                oy = -tip1 * d0 - tip0 * (3 * d1 + direction * side_away)
+                pos = lander.position
+                lander.ApplyLinearImpulse((-ox * side_power * s_power, -oy * side_power * s_power),
+                                          (pos[0] + ox - tip0 * 17 / scale, pos[1] + oy + tip1 * ll.SIDE_ENGINE_HEIGHT / scale), True)
+            env.world.Step(1.0 / fps, 6 * 30, 2 * 30)
+            pos, vel = lander.position, lander.linearVelocity
+            s = ((pos.x - w2) / w2, (pos.y - (env.helipad_y + leg_down)) / h2, vel.x * w2 / fps, vel.y * h2 / fps,
+                 lander.angle, 20.0 * lander.angularVelocity / fps, 1.0 if env.legs[0].ground_contact else 0.0,
+                 1.0 if env.legs[1].ground_contact else 0.0)
+            shaping = (-100 * sqrt(s[0] * s[0] + s[1] * s[1]) - 100 * sqrt(s[2] * s[2] + s[3] * s[3]) - 100 * abs(s[4])
+                       + 10 * s[6] + 10 * s[7])
+            reward = shaping - env.prev_shaping
+            env.prev_shaping = shaping
+            reward -= m_power * 0.30
+            reward -= s_power * 0.03
+            term = False
+            if env.game_over or abs(s[0]) >= 1.0:
+                term, reward = True, -100
+            if not lander.awake:
+                term, reward = True, +100
+            obs.append(s)
+            rewards.append(reward)
+            done.append(term)
+        self.t += 1
+        return np.array(obs, dtype=np.float32).reshape(-1, 8), np.array(rewards, dtype=np.float64), np.array(done, bool)
+
+
 class Simulators:
     """copies x episodes simulators run side by side, one batched forward per time step for all of them; episode i
     of every copy starts from env.reset(seed=seed + i). CartPole-v1 runs as gymnasium's vectorised CartPole and
@@ -750,6 +822,9 @@ class Simulators:
             plain = set(wrappers) <= {gym.wrappers.TimeLimit, gym.wrappers.OrderEnforcing, gym.wrappers.PassiveEnvChecker}
             self.limit = self.envs[0].spec.max_episode_steps if plain and gym.wrappers.TimeLimit in wrappers else None
             self.steppers = [e.unwrapped.step for e in self.envs] if self.limit else [e.step for e in self.envs]
+            lander = self.envs[0].unwrapped
+            self.lunar = LunarLanderSteps(self.envs) if self.limit and type(lander).__name__ == "LunarLander" and not (
+                lander.continuous or lander.enable_wind or lander.render_mode) else None
 
     def run(self, act, noise_seed: int) -> np.ndarray:
         """Undiscounted returns [copies, episodes] of act(obs [copies, episodes, dim], u [episodes]) -> actions
@@ -763,6 +838,8 @@ class Simulators:
             self.venv.state, self.venv.steps = self.starts.copy(), np.zeros(n, dtype=np.int32)
             self.venv.prev_done = np.zeros(n, dtype=bool)
             obs = self.starts.T.astype(np.float32)
+        elif self.lunar:
+            obs = self.lunar.reset([self.seed + i % self.episodes for i in range(n)]).astype(np.float32)
         else:
             obs = np.stack([env.reset(seed=self.seed + i % self.episodes)[0] for i, env in enumerate(self.envs)])
             obs = obs.astype(np.float32)
@@ -776,6 +853,11 @@ class Simulators:
                 obs, reward, term, trunc = (venv if self.acrobot else self.venv).step(actions)[:4]
                 returns += reward * active
                 active &= ~(term | trunc)
+            elif self.lunar:
+                j = np.flatnonzero(active)
+                obs[j], reward, term = self.lunar.step(j, actions[j])
+                returns[j] += reward
+                active[j] = ~term & (t != self.limit)
             else:
                 for j in np.flatnonzero(active):
                     o, r, term, trunc, _ = self.steppers[j](int(actions[j]))

@@ -200,6 +200,35 @@ def test_acrobot_on_arrays_is_gymnasiums_acrobot():
         assert (ended > n // 2) == swing  # swinging up ends most episodes early
 
 
+def test_lunar_lander_steps_are_gymnasiums_lunar_lander():
+    """LunarLanderSteps follows n gymnasium LunarLander-v3 environments bit for bit (observations, rewards,
+    terminations) under random actions, which fire all three engines and end episodes by crashing, flying off and
+    (the heuristic controller's share) coming to rest."""
+    from gymnasium.envs.box2d.lunar_lander import heuristic
+    n = 24
+    envs, fast = [gym.make("LunarLander-v3") for _ in range(n)], common.LunarLanderSteps(
+        [gym.make("LunarLander-v3") for _ in range(n)])
+    obs = fast.reset([5 + i for i in range(n)])
+    for i, env in enumerate(envs):
+        assert np.array_equal(env.reset(seed=5 + i)[0], obs[i])
+    rng, active, ends, fired = np.random.default_rng(0), np.ones(n, bool), set(), set()
+    for t in range(1000):
+        if not active.any():
+            break
+        j = np.flatnonzero(active)
+        actions = np.array([heuristic(envs[i].unwrapped, obs[i]) if i % 2 else rng.integers(4) for i in j])
+        o, reward, term = fast.step(j, actions)
+        for k, i in enumerate(j):
+            o_ref, r_ref, t_ref, _, _ = envs[i].step(int(actions[k]))
+            assert np.array_equal(o_ref, o[k]) and r_ref == reward[k] and t_ref == term[k], (i, t)
+            obs[i] = o_ref
+            fired.add(int(actions[k]))
+            if t_ref:
+                active[i] = False
+                ends.add(r_ref)
+    assert fired == {0, 1, 2, 3} and {-100, 100} <= ends
+
+
 def test_sparse_curve_keeps_the_final_score_and_the_grid_accepts_it(datasets, tmp_path):
     """--eval-sparse-frequency evaluates every N updates before the last 10 evaluations, which stay every
     --eval-frequency (the final score's window); run_grid.py counts such a run as finished."""
