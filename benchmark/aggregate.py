@@ -42,6 +42,8 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from run_grid import (ALGORITHMS, ENVS, ENV_RENAMES, PAPER_ALGORITHMS, RESULT_FILE, check_result, fmt_value,  # noqa: E402
                       norm_key)
@@ -53,6 +55,11 @@ ALGO_ORDER = list(ALGORITHMS)
 PER_RUN_KEYS = {"seed", "run_name", "runs_dir", "exp_name", "track", "tensorboard", "threads", "save_model",
                 "eval_checkpoint", "dataset_path", "wandb_project_name", "wandb_entity", "capture_video", "cuda",
                 "env_id", "epsilon"}
+# U of the normalised score (score - behaviour) / (U - behaviour), the share of the available improvement over the
+# behaviour policy an algorithm captures: CartPole's maximum return, and returns near the best reported for the
+# others (a solved LunarLander is 200+, Acrobot's best policies take ~60 steps)
+UPPER = {"CartPole-v1": 500.0, "Acrobot-v1": -60.0, "LunarLander-v3": 250.0}
+BOOTSTRAP_REPS = 2000  # rliable's stratified bootstrap; seeded, so a report is reproducible
 HEADER_SETTINGS = ("total_steps", "eval_frequency", "eval_episodes", "eval_seed", "batch_size", "gamma",
                    "learning_rate", "target_update_frequency", "tau")
 
@@ -469,12 +476,77 @@ def build_report(root: Path, runs: list[Run], skipped, expected_seeds: int | Non
         body.append(f"| {LABELS[a]} | {s['rows']} | {s['ge_behavior']} | "
                     + (f"{s['paper_ge_behavior']} | " if a in ranks else "— | ")
                     + (f"{s['ranked']} | {s['top2']} | {s['paper_top2']} |" if rank and a in ranks else "— | — | — |"))
+    body += normalised_section(cells, rows, behavior, paper, shown, ranks)
     if warnings or skipped:
         body += ["", "## Warnings", ""]
         body += [f"- {w}" for w in warnings]
         body += [f"- skipped `{p}`: {r}" for p, r in skipped]
     return "\n".join(body) + "\n", {"cells": cells, "rows": rows, "behavior": behavior,
                                                  "summary": summary, "n_expected": n_expected, "algos": shown}
+
+
+def normalised_section(cells, rows, behavior, paper, shown, ranks) -> list[str]:
+    """Per algorithm over the rows with a known U (UPPER) and behaviour return: the mean normalised improvement of its
+    cells' means (and of the paper's numbers on the same rows), and, with the rliable package, the interquartile mean
+    of the runs' normalised scores with 95% stratified-bootstrap intervals and the probability that BRPO improves on
+    each other algorithm (Agarwal et al. 2021)."""
+    rows = [(env, eps) for env, eps in rows if env in UPPER and behavior.get((env, eps))]
+    if not rows:
+        return []
+    beh = {r: sum(behavior[r]) / len(behavior[r]) for r in rows}
+    norm = lambda env, eps, x, b: (x - b) / (UPPER[env] - b)  # noqa: E731
+    lines = ["", "## Normalised improvement", "",
+             "The share of the available improvement over the behaviour policy an algorithm captures, (score − β) / "
+             "(U − β), with U = " + ", ".join(f"{fmt_num(u)} ({e})" for e, u in UPPER.items()) + " and β the row's "
+             "behaviour return (1: U reached, 0: β's return, below 0: worse than β). Mean: over the rows the algorithm "
+             "has results for, of its cells' means; paper: the paper's numbers on the same rows, with its behaviour "
+             "returns."]
+    full = [a for a in shown if all((env, eps, a) in cells for env, eps in rows)]
+    n_runs = min((cells[(env, eps, a)].selected.n for a in full for env, eps in rows), default=0)
+    scores = {a: np.array([[norm(env, eps, r.final_score, beh[(env, eps)]) for r in cells[(env, eps, a)].selected.runs[
+        :n_runs]] for env, eps in rows]).T for a in full}  # [runs, rows], rliable's layout
+    iqm, poi = {}, {}
+    try:
+        from rliable import library as rly, metrics
+    except ImportError:
+        rly = None
+    if rly is not None and n_runs >= 2 and full:
+        with warnings_quiet():
+            est, ci = rly.get_interval_estimates(scores, lambda x: np.array([metrics.aggregate_iqm(x)]),
+                                                 reps=BOOTSTRAP_REPS, random_state=np.random.RandomState(0))
+            iqm = {a: (float(est[a][0]), *np.ravel(ci[a]).tolist()) for a in full}
+            if "brpo" in full:
+                pairs = {a: (scores["brpo"], scores[a]) for a in full if a != "brpo"}
+                est, ci = rly.get_interval_estimates(pairs, metrics.probability_of_improvement, reps=BOOTSTRAP_REPS,
+                                                     random_state=np.random.RandomState(0))
+                poi = {a: (float(np.ravel(est[a])[0]), *np.ravel(ci[a]).tolist()) for a in pairs}
+        lines[-1] += (f" IQM: the interquartile mean of the normalised scores of {n_runs} runs × {len(rows)} rows "
+                      f"(rliable), [95% stratified-bootstrap interval, {BOOTSTRAP_REPS} resamples]; P(BRPO > X): the "
+                      "probability that a run of BRPO scores above a run of X on a random row, with its interval.")
+    elif rly is None:
+        lines[-1] += " IQM and P(BRPO > X) need the rliable package (`pip install -e \".[bench]\"`)."
+    else:
+        lines[-1] += " IQM and P(BRPO > X): need at least 2 runs in every row for every algorithm."
+    lines += ["", "| Algorithm | Rows | Mean normalised improvement | Paper | IQM [95% CI] | P(BRPO > X) [95% CI] |",
+              "|---|---|---|---|---|---|"]
+    ci = lambda t: f"{t[0]:.2f} [{t[1]:.2f}, {t[2]:.2f}]" if t else "—"  # noqa: E731
+    for a in shown:
+        own = [norm(env, eps, cells[(env, eps, a)].selected.stats[0], beh[(env, eps)]) for env, eps in rows
+               if (env, eps, a) in cells]
+        pap = [norm(env, eps, paper[(env, eps, LABELS[a])][0], paper[(env, eps, "Behavior")][0]) for env, eps in rows
+               if (env, eps, a) in cells and (env, eps, LABELS[a]) in paper and (env, eps, "Behavior") in paper]
+        lines.append(f"| {LABELS[a]} | {len(own)} | {sum(own) / len(own):.2f} | " if own else f"| {LABELS[a]} | 0 | — | ")
+        lines[-1] += (f"{sum(pap) / len(pap):.2f} | " if pap and a in ranks else "— | ") + f"{ci(iqm.get(a))} | " + (
+            f"{ci(poi.get(a))} |")
+    return lines
+
+
+@contextlib.contextmanager
+def warnings_quiet():
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
 
 
 def _num_sort(text: str):

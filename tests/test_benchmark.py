@@ -17,6 +17,7 @@ import textwrap
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 BENCH = Path(__file__).resolve().parent.parent / "benchmark"
@@ -629,6 +630,34 @@ def test_aggregate_cql_column_has_no_paper_value_and_no_rank(tmp_path):
     assert table_row(text, "CartPole-v1-0.15") == ["**10.0** (paper 299.3)", "**20.0** (paper 357.7)",
                                                    "-5.0 (paper 151.6)", "500.0", "50.0 (paper 149.5)"]
     assert "top-2 of the row among DQN, KL-Q, BC" in text and "CQL: not in the paper" in text
+
+
+def test_aggregate_normalised_improvement_iqm_and_probability_of_improvement(tmp_path):
+    """(score - beta) / (U - beta) per row, averaged over rows for ours and for the paper's numbers; rliable's IQM of
+    the runs' normalised scores (the 25% trimmed mean of the pooled runs for these numbers) and P(BRPO > X): 1 when
+    every BRPO run beats every run of X, 0.5 against identical runs."""
+    pytest.importorskip("rliable")
+    res = tmp_path / "res"
+    rows = {("CartPole-v1", 0.15): (100.0, 500.0), ("Acrobot-v1", 0.5): (-180.0, -60.0)}  # beta, U
+    own = {"brpo": [0.2, 0.3, 0.4, 0.5], "dqn": [-0.5, -0.4, 0.0, 0.1], "bc": [0.2, 0.3, 0.4, 0.5]}  # normalised
+    for (env, eps), (beta, upper) in rows.items():
+        for algo, values in own.items():
+            for seed, x in enumerate(values, start=1):
+                write_result(res, env, eps, algo, seed, beta + x * (upper - beta), behavior=beta)
+    assert aggregate.main([str(res), "--out", str(tmp_path / "rep"), "--no-plots", "--algos", "brpo", "dqn", "bc"]) == 0
+    text = (tmp_path / "rep" / "table1.md").read_text().split("## Normalised improvement")[1]
+    got = {line.split("|")[1].strip(): [c.strip() for c in line.strip("|").split("|")][1:]
+           for line in text.splitlines() if line.startswith("| ") and "Algorithm" not in line}
+    paper = {(e, a): v for e, a, v in [("CartPole-v1", "BRPO", 409.9), ("CartPole-v1", "Behavior", 149.5),
+                                        ("Acrobot-v1", "BRPO", -83.7), ("Acrobot-v1", "Behavior", -172.4)]}
+    want_paper = np.mean([(paper[(e, "BRPO")] - paper[(e, "Behavior")]) / (u - paper[(e, "Behavior")])
+                          for e, u in (("CartPole-v1", 500.0), ("Acrobot-v1", -60.0))])
+    assert got["BRPO"][:3] == ["2", "0.35", f"{want_paper:.2f}"] and got["DQN"][:2] == ["2", "-0.20"]
+    iqm = float(got["BRPO"][3].split()[0])
+    assert abs(iqm - np.mean(np.sort(own["brpo"] * 2)[2:6])) < 0.005
+    assert got["DQN"][4] == "1.00 [1.00, 1.00]" and got["BC"][4].startswith("0.50 [") and got["BRPO"][4] == "—"
+    lo, hi = (float(x) for x in got["BC"][4].split("[")[1].rstrip("]").split(","))
+    assert lo <= 0.5 <= hi and "stratified-bootstrap" in text
 
 
 def test_aggregate_learning_curve_stats():
