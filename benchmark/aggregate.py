@@ -486,67 +486,78 @@ def build_report(root: Path, runs: list[Run], skipped, expected_seeds: int | Non
 
 
 def normalised_section(cells, rows, behavior, paper, shown, ranks) -> list[str]:
-    """Per algorithm over the rows with a known U (UPPER) and behaviour return: the mean normalised improvement of its
-    cells' means (and of the paper's numbers on the same rows), and, with the rliable package, the interquartile mean
-    of the runs' normalised scores with 95% stratified-bootstrap intervals and the probability that BRPO improves on
-    each other algorithm (Agarwal et al. 2021)."""
+    """Per algorithm over its rows with a known U (UPPER) below the behaviour return: the mean normalised improvement
+    of its cells' means (and of the paper's numbers on the same rows), and, with the rliable package, the
+    interquartile mean of its runs' normalised scores with a 95% stratified-bootstrap interval and the probability
+    that BRPO improves on it, on the rows both have (Agarwal et al. 2021)."""
     rows = [(env, eps) for env, eps in rows if env in UPPER and behavior.get((env, eps))]
+    beh = {r: sum(behavior[r]) / len(behavior[r]) for r in rows}
+    above = [r for r in rows if beh[r] >= UPPER[r[0]]]  # no improvement to share: the score is not defined
+    rows = [r for r in rows if r not in above]
     if not rows:
         return []
-    beh = {r: sum(behavior[r]) / len(behavior[r]) for r in rows}
     norm = lambda env, eps, x, b: (x - b) / (UPPER[env] - b)  # noqa: E731
+    own = {a: [r for r in rows if (*r, a) in cells] for a in shown}
+    scores = {}  # [runs, rows] (rliable's layout): each algorithm's runs, as many per row as its fewest
+    for a, mine in own.items():
+        n = min((cells[(*r, a)].selected.n for r in mine), default=0)
+        if n >= 2:
+            scores[a] = np.array([[norm(*r, run.final_score, beh[r]) for run in cells[(*r, a)].selected.runs[:n]]
+                                  for r in mine]).T
+    try:
+        from rliable import library as rly, metrics
+    except Exception:  # not installed, or its dependencies do not import (arch with pandas 3)
+        rly = None
+    iqm, poi = {}, {}
+    if rly is not None and scores:
+        iqm = {a: interval(rly, {a: s}, lambda x: np.array([metrics.aggregate_iqm(x)]))[a] for a, s in scores.items()}
+        for a in scores if "brpo" in scores else ():
+            both = [i for i, r in enumerate(own["brpo"]) if r in own[a]], [i for i, r in enumerate(own[a]) if r in
+                                                                             own["brpo"]]
+            if a != "brpo" and both[0]:
+                pair = (scores["brpo"][:, both[0]], scores[a][:, both[1]])
+                poi[a] = interval(rly, {a: pair}, metrics.probability_of_improvement)[a]
     lines = ["", "## Normalised improvement", "",
              "The share of the available improvement over the behaviour policy an algorithm captures, (score − β) / "
              "(U − β), with U = " + ", ".join(f"{fmt_num(u)} ({e})" for e, u in UPPER.items()) + " and β the row's "
-             "behaviour return (1: U reached, 0: β's return, below 0: worse than β). Mean: over the rows the algorithm "
-             "has results for, of its cells' means; paper: the paper's numbers on the same rows, with its behaviour "
-             "returns."]
-    full = [a for a in shown if all((env, eps, a) in cells for env, eps in rows)]
-    n_runs = min((cells[(env, eps, a)].selected.n for a in full for env, eps in rows), default=0)
-    scores = {a: np.array([[norm(env, eps, r.final_score, beh[(env, eps)]) for r in cells[(env, eps, a)].selected.runs[
-        :n_runs]] for env, eps in rows]).T for a in full}  # [runs, rows], rliable's layout
-    iqm, poi = {}, {}
-    try:
-        from rliable import library as rly, metrics
-    except ImportError:
-        rly = None
-    if rly is not None and n_runs >= 2 and full:
-        with warnings_quiet():
-            est, ci = rly.get_interval_estimates(scores, lambda x: np.array([metrics.aggregate_iqm(x)]),
-                                                 reps=BOOTSTRAP_REPS, random_state=np.random.RandomState(0))
-            iqm = {a: (float(est[a][0]), *np.ravel(ci[a]).tolist()) for a in full}
-            if "brpo" in full:
-                pairs = {a: (scores["brpo"], scores[a]) for a in full if a != "brpo"}
-                est, ci = rly.get_interval_estimates(pairs, metrics.probability_of_improvement, reps=BOOTSTRAP_REPS,
-                                                     random_state=np.random.RandomState(0))
-                poi = {a: (float(np.ravel(est[a])[0]), *np.ravel(ci[a]).tolist()) for a in pairs}
-        lines[-1] += (f" IQM: the interquartile mean of the normalised scores of {n_runs} runs × {len(rows)} rows "
-                      f"(rliable), [95% stratified-bootstrap interval, {BOOTSTRAP_REPS} resamples]; P(BRPO > X): the "
-                      "probability that a run of BRPO scores above a run of X on a random row, with its interval.")
-    elif rly is None:
-        lines[-1] += " IQM and P(BRPO > X) need the rliable package (`pip install -e \".[bench]\"`)."
-    else:
-        lines[-1] += " IQM and P(BRPO > X): need at least 2 runs in every row for every algorithm."
+             "behaviour return (1: U reached, 0: β's return, below 0: worse than β), over the rows the algorithm has "
+             "(Rows). Mean: of its cells' means; paper: the paper's numbers on the same rows, with its behaviour "
+             "returns. "
+             + (f"IQM: the interquartile mean of its runs' normalised scores (as many runs per row as its fewest), "
+                f"[95% stratified-bootstrap interval, {BOOTSTRAP_REPS} resamples, seeded] (rliable); P(BRPO > X): the "
+                "probability that a run of BRPO scores above a run of X on a random row of the rows both have, with "
+                "its interval. " if rly is not None else
+                "IQM and P(BRPO > X) need the rliable package (`pip install -e \".[bench]\"`). ")
+             + "IQM needs at least 2 runs in every row of the algorithm."
+             + (" Rows left out (behaviour return at or above U): " + ", ".join(f"{e}-{x:.2f}" for e, x in above) + "."
+                if above else "")]
     lines += ["", "| Algorithm | Rows | Mean normalised improvement | Paper | IQM [95% CI] | P(BRPO > X) [95% CI] |",
               "|---|---|---|---|---|---|"]
     ci = lambda t: f"{t[0]:.2f} [{t[1]:.2f}, {t[2]:.2f}]" if t else "—"  # noqa: E731
     for a in shown:
-        own = [norm(env, eps, cells[(env, eps, a)].selected.stats[0], beh[(env, eps)]) for env, eps in rows
-               if (env, eps, a) in cells]
-        pap = [norm(env, eps, paper[(env, eps, LABELS[a])][0], paper[(env, eps, "Behavior")][0]) for env, eps in rows
-               if (env, eps, a) in cells and (env, eps, LABELS[a]) in paper and (env, eps, "Behavior") in paper]
-        lines.append(f"| {LABELS[a]} | {len(own)} | {sum(own) / len(own):.2f} | " if own else f"| {LABELS[a]} | 0 | — | ")
-        lines[-1] += (f"{sum(pap) / len(pap):.2f} | " if pap and a in ranks else "— | ") + f"{ci(iqm.get(a))} | " + (
-            f"{ci(poi.get(a))} |")
+        mean = [norm(*r, cells[(*r, a)].selected.stats[0], beh[r]) for r in own[a]]
+        pap = [norm(*r, paper[(*r, LABELS[a])][0], paper[(*r, "Behavior")][0]) for r in own[a]
+               if (*r, LABELS[a]) in paper and (*r, "Behavior") in paper and paper[(*r, "Behavior")][0] < UPPER[r[0]]]
+        lines.append(f"| {LABELS[a]} | {len(mean)} | " + (f"{sum(mean) / len(mean):.2f} | " if mean else "— | ")
+                     + (f"{sum(pap) / len(pap):.2f} | " if pap and a in ranks else "— | ")
+                     + f"{ci(iqm.get(a))} | {ci(poi.get(a))} |")
     return lines
 
 
-@contextlib.contextmanager
-def warnings_quiet():
+def interval(rly, score_dict: dict, func) -> dict:
+    """rliable's point estimate and 95% interval per key, (estimate, low, high). rliable resamples with numpy's
+    global generator (its random_state is not used for the resamples): seeded here, before every call, and restored,
+    so a report is the same at every run and one algorithm's interval does not depend on which others are shown."""
     import warnings
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        yield
+    state = np.random.get_state()
+    np.random.seed(0)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # arch's deprecation notices
+            est, ci = rly.get_interval_estimates(score_dict, func, reps=BOOTSTRAP_REPS)
+    finally:
+        np.random.set_state(state)
+    return {k: (float(np.ravel(est[k])[0]), *np.ravel(ci[k]).tolist()) for k in score_dict}
 
 
 def _num_sort(text: str):

@@ -644,8 +644,12 @@ def test_aggregate_normalised_improvement_iqm_and_probability_of_improvement(tmp
         for algo, values in own.items():
             for seed, x in enumerate(values, start=1):
                 write_result(res, env, eps, algo, seed, beta + x * (upper - beta), behavior=beta)
+    for seed in (1, 2, 3, 4):  # a row only BC has does not take the others' IQM away
+        write_result(res, "LunarLander-v3", 0.5, "bc", seed, -10.0 + seed, behavior=-30.0)
     assert aggregate.main([str(res), "--out", str(tmp_path / "rep"), "--no-plots", "--algos", "brpo", "dqn", "bc"]) == 0
     text = (tmp_path / "rep" / "table1.md").read_text().split("## Normalised improvement")[1]
+    assert aggregate.main([str(res), "--out", str(tmp_path / "rep"), "--no-plots", "--algos", "brpo", "dqn", "bc"]) == 0
+    assert (tmp_path / "rep" / "table1.md").read_text().split("## Normalised improvement")[1] == text  # seeded
     got = {line.split("|")[1].strip(): [c.strip() for c in line.strip("|").split("|")][1:]
            for line in text.splitlines() if line.startswith("| ") and "Algorithm" not in line}
     paper = {(e, a): v for e, a, v in [("CartPole-v1", "BRPO", 409.9), ("CartPole-v1", "Behavior", 149.5),
@@ -657,7 +661,8 @@ def test_aggregate_normalised_improvement_iqm_and_probability_of_improvement(tmp
     assert abs(iqm - np.mean(np.sort(own["brpo"] * 2)[2:6])) < 0.005
     assert got["DQN"][4] == "1.00 [1.00, 1.00]" and got["BC"][4].startswith("0.50 [") and got["BRPO"][4] == "—"
     lo, hi = (float(x) for x in got["BC"][4].split("[")[1].rstrip("]").split(","))
-    assert lo <= 0.5 <= hi and "stratified-bootstrap" in text
+    assert lo <= 0.5 <= hi and lo < hi and "stratified-bootstrap" in text
+    assert got["BC"][0] == "3" and got["BC"][3] != "—" and got["BRPO"][0] == "2"  # BC's extra row in its own IQM
 
 
 def test_aggregate_learning_curve_stats():
