@@ -23,6 +23,7 @@ Departs from the CQL paper in:
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import sys
@@ -81,7 +82,7 @@ def greedy_probs(q_network: common.Stack):
 
 def check_args(args: Args) -> None:
     common.check_args(args)
-    if not args.cql_alpha >= 0.0:
+    if not 0.0 <= args.cql_alpha < math.inf:  # NaN and inf fail too
         fail(f"--cql-alpha must be a finite number >= 0, got {args.cql_alpha}")
 
 

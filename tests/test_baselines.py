@@ -377,7 +377,8 @@ def test_bad_algorithm_options_fail_clearly(data, tmp_path):
     for name, overrides, needle in (("bcq_discrete.py", dict(bcq_threshold=1.5), "--bcq-threshold"),
                                     ("klq.py", dict(kl_weight=-0.1), "--kl-weight"),
                                     ("spibb.py", dict(spibb_threshold=-0.2), "--spibb-threshold"),
-                                    ("cql_discrete.py", dict(cql_alpha=-1.0), "--cql-alpha")):
+                                    ("cql_discrete.py", dict(cql_alpha=-1.0), "--cql-alpha"),
+                                    ("cql_discrete.py", dict(cql_alpha=float("inf")), "--cql-alpha")):
         with pytest.raises(SystemExit) as exc:
             train_in_process(load_script(name), data[0.05], 0.05, tmp_path / "runs", "x", **overrides)
         assert needle in str(exc.value.code) and not (tmp_path / "runs").exists()
