@@ -498,6 +498,13 @@ def table_row(text, label):
     return [c.strip() for c in row.strip("|").split("|")][1:]
 
 
+def summary_rows(text):
+    """The report's summary table (up to the next section) as {algorithm label: cells}."""
+    section = text.split("## Summary")[1].split("\n## ")[0]
+    return {line.split("|")[1].strip(): [c.strip() for c in line.strip("|").split("|")]
+            for line in section.splitlines() if line.startswith("| ") and "Algorithm" not in line}
+
+
 def test_aggregate_table_stats_top2_missing(tmp_path, capsys):
     res = tmp_path / "res"
     scores = {"dqn": [10, 20, 30], "brpo_c": [40, 50, 60], "brpo": [100, 110, 120], "bcq": [0, 0, 0],
@@ -534,8 +541,7 @@ def test_aggregate_table_stats_top2_missing(tmp_path, capsys):
     assert "total_steps = 12000" in text and "eval_episodes = 40" in text and "seeds = 1, 2, 3" in text
     assert "1 invalid/unfinished skipped" in text and "junk" in text
     assert "CartPole-v1-0.05" in text  # paper rows without results are listed
-    summary = {line.split("|")[1].strip(): [c.strip() for c in line.strip("|").split("|")]
-               for line in text.split("## Summary")[1].splitlines() if line.startswith("| ") and "Algorithm" not in line}
+    summary = summary_rows(text)
     # rows, >= behaviour (ours, paper), ranked rows, top-2 (ours, paper on the same rows)
     assert summary["BRPO"][1:7] == ["2", "2", "2", "1", "1", "1"]
     assert summary["BC"][1:7] == ["1", "1", "1", "1", "0", "0"]
@@ -590,8 +596,7 @@ def test_aggregate_algos_restricts_the_columns(tmp_path, capsys):
     assert "| Task-ε | BRPO-C | BRPO | Behavior |" in text and "DQN" not in text.split("## Summary")[1]
     assert table_row(text, "CartPole-v1-0.15") == ["40.0 (paper 305.6)", "60.0 (paper 409.9)", "50.0 (paper 149.5)"]
     assert "no top-2 marks" in text  # top-2 of two columns would mark both
-    summary = {line.split("|")[1].strip(): [c.strip() for c in line.strip("|").split("|")]
-               for line in text.split("## Summary")[1].splitlines() if line.startswith("| ") and "Algorithm" not in line}
+    summary = summary_rows(text)
     assert set(summary) == {"BRPO-C", "BRPO"} and summary["BRPO"][2] == "1" and summary["BRPO-C"][2] == "0"
     # three columns: top-2 among them (BC's 10 is not marked, DQN's 99 and BRPO's 60 are)
     assert aggregate.main([str(res), "--out", str(tmp_path / "rep3"), "--no-plots", "--algos", "brpo", "dqn", "bc"]) == 0
@@ -618,8 +623,7 @@ def test_aggregate_cql_column_has_no_paper_value_and_no_rank(tmp_path):
     row = dict(zip(labels + ["Behavior"], table_row(text, "CartPole-v1-0.15")))
     assert row["CQL"] == "500.0" and row["BRPO"] == "**60.0** (paper 409.9)" and row["BRPO-C"] == "**40.0** (paper 305.6)"
     assert sum("**" in c for c in row.values()) == 2 and "top-2 of the row among the paper's seven" in text
-    summary = {line.split("|")[1].strip(): [c.strip() for c in line.strip("|").split("|")]
-               for line in text.split("## Summary")[1].splitlines() if line.startswith("| ") and "Algorithm" not in line}
+    summary = summary_rows(text)
     # rows, >= behaviour (ours, paper), ranked rows, top-2 (ours, paper on the same rows)
     assert summary["CQL"][1:7] == ["1", "1", "—", "—", "—", "—"]
     assert summary["BRPO"][1:7] == ["1", "1", "1", "1", "1", "1"] and summary["KL-Q"][1:7] == ["1", "0", "1", "1", "0", "1"]
