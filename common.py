@@ -797,7 +797,8 @@ class Simulators:
     """copies x episodes simulators run side by side, one batched forward per time step for all of them; episode i
     of every copy starts from env.reset(seed=seed + i). CartPole-v1 runs as gymnasium's vectorised CartPole and
     Acrobot-v1 as gymnasium's Acrobot dynamics on arrays (AcrobotVector), their state set to those start states
-    (the same dynamics in float64: the same returns); other tasks as one gymnasium environment per episode."""
+    (the same dynamics in float64: the same returns), LunarLander-v3 as its gymnasium environments driven by
+    LunarLanderSteps; other tasks as one gymnasium environment per episode."""
 
     def __init__(self, env_id: str, copies: int, episodes: int, seed: int):
         self.copies, self.episodes, n = copies, episodes, copies * episodes
