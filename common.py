@@ -729,12 +729,11 @@ class LunarLanderSteps:
     at a time after each reset (a Generator's uniforms are the same numbers drawn one by one or as an array).
     step(active, actions) -> the active episodes' observations [k, 8] float32, rewards [k], terminated [k]."""
 
-    BLOCK = 2048  # dispersion draws per reset: two per step, episodes of at most 1,000 steps
+    BLOCK = 512  # dispersion draws per environment at a time: two per step, 256 steps
 
     def __init__(self, envs: list):
         from gymnasium.envs.box2d import lunar_lander as ll
         self.envs, self.ll, self.t = [e.unwrapped for e in envs], ll, 0
-        self.sin, self.cos, self.sqrt = math.sin, math.cos, math.sqrt
 
     def reset(self, seeds) -> np.ndarray:
         obs = np.stack([env.reset(seed=s)[0] for env, s in zip(self.envs, seeds)])
@@ -743,11 +742,11 @@ class LunarLanderSteps:
         return obs
 
     def step(self, active: np.ndarray, actions: np.ndarray):
-        ll, sin, cos, sqrt, i0 = self.ll, self.sin, self.cos, self.sqrt, 2 * self.t
+        ll, sin, cos, sqrt, i0 = self.ll, math.sin, math.cos, math.sqrt, 2 * self.t
         scale, w2, h2 = ll.SCALE, ll.VIEWPORT_W / ll.SCALE / 2, ll.VIEWPORT_H / ll.SCALE / 2
         main_y, main_power, side_power = ll.MAIN_ENGINE_Y_LOCATION / scale, ll.MAIN_ENGINE_POWER, ll.SIDE_ENGINE_POWER
         side_away, leg_down, fps = ll.SIDE_ENGINE_AWAY / scale, ll.LEG_DOWN / scale, ll.FPS
-        if i0 + 1 >= len(self.noise[0]):  # a longer time limit than LunarLander's: the generators' next draws
+        if i0 + 1 >= len(self.noise[0]):  # the generators' next draws, continuing each one's stream
             self.noise = [n + (env.np_random.uniform(-1.0, 1.0, self.BLOCK) / scale).tolist() for n, env in
                           zip(self.noise, self.envs)]
         obs, rewards, done = [], [], []

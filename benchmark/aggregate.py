@@ -511,11 +511,10 @@ def normalised_section(cells, rows, behavior, paper, shown, ranks) -> list[str]:
     iqm, poi = {}, {}
     if rly is not None and scores:
         iqm = {a: interval(rly, {a: s}, lambda x: np.array([metrics.aggregate_iqm(x)]))[a] for a, s in scores.items()}
-        for a in scores if "brpo" in scores else ():
-            both = [i for i, r in enumerate(own["brpo"]) if r in own[a]], [i for i, r in enumerate(own[a]) if r in
-                                                                             own["brpo"]]
-            if a != "brpo" and both[0]:
-                pair = (scores["brpo"][:, both[0]], scores[a][:, both[1]])
+        for a in [a for a in scores if a != "brpo"] if "brpo" in scores else []:
+            both = [r for r in own["brpo"] if r in own[a]]  # the rows both have, as columns of each one's scores
+            if both:
+                pair = tuple(scores[x][:, [own[x].index(r) for r in both]] for x in ("brpo", a))
                 poi[a] = interval(rly, {a: pair}, metrics.probability_of_improvement)[a]
     lines = ["", "## Normalised improvement", "",
              "The share of the available improvement over the behaviour policy an algorithm captures, (score − β) / "

@@ -65,27 +65,23 @@ def main(args: Args) -> None:
         beta = common.behavior_policy({k: f[k] for k in f.files})
     act = lambda obs, u: beta(obs.reshape(-1, obs.shape[-1])).argmax(-1).view(obs.shape[:-1])  # noqa: E731
 
-    def fast(plain: bool):
+    def simulators(wrapperless_gymnasium: bool):
         sims = common.Simulators(args.env_id, args.copies, args.episodes, args.eval_seed)
-        if plain:  # gymnasium's environments without their wrappers
-            sims.vector = sims.acrobot = False
-            if not hasattr(sims, "envs"):
-                return None
+        if wrapperless_gymnasium:  # the generic path: gymnasium's environments stepped without their wrappers
             sims.lunar = None
-        return lambda: sims.run(act, 0)
+        return lambda: (sims.run(act, 0), None)
 
-    paths = {"plain loop": None, "Simulators, gymnasium environments": fast(True), "Simulators": fast(False)}
+    paths = {"plain loop": lambda: plain_loop(args.env_id, act, args.copies, args.episodes, args.eval_seed)}
+    if args.env_id not in ("CartPole-v1", "Acrobot-v1"):  # those two have no per-episode gymnasium path
+        paths["Simulators, gymnasium environments"] = simulators(True)
+    paths["Simulators"] = simulators(False)
     best, reference, n_steps = {}, None, None
     for _ in range(args.repeats):
         for name, run in paths.items():
             start = time.perf_counter()
-            if run is None and name == "plain loop":
-                returns, n_steps = plain_loop(args.env_id, act, args.copies, args.episodes, args.eval_seed)
-            elif run is None:
-                continue
-            else:
-                returns = run()
+            returns, steps = run()
             best[name] = min(best.get(name, np.inf), time.perf_counter() - start)
+            n_steps = n_steps or steps
             reference = returns if reference is None else reference
             common.require(np.array_equal(returns, reference), f"{name} gives other returns than the plain loop")
     print(f"{args.env_id}, {args.copies} x {args.episodes} episodes, {n_steps} environment steps, mean return "

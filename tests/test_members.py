@@ -208,6 +208,7 @@ def test_lunar_lander_steps_are_gymnasiums_lunar_lander():
     n = 24
     envs, fast = [gym.make("LunarLander-v3") for _ in range(n)], common.LunarLanderSteps(
         [gym.make("LunarLander-v3") for _ in range(n)])
+    fast.BLOCK = 6  # the dispersion stream continued block after block, many times per episode
     obs = fast.reset([5 + i for i in range(n)])
     for i, env in enumerate(envs):
         assert np.array_equal(env.reset(seed=5 + i)[0], obs[i])
