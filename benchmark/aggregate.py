@@ -7,8 +7,9 @@ Reads every ``result.json`` below RESULTS_DIR (docs/formats.md schema). Seeds of
 sibling ``seed<k>`` run directories written by run_grid.py (results laid out differently are grouped by
 their hyperparameters instead). When several configurations of an algorithm exist for a (task, epsilon)
 cell -- a sweep -- the one with the highest mean final score is reported, as in the paper, and the
-selection is listed. Cells show mean +- sample standard deviation (ddof=1) over seeds of final_score,
-the paper's value beside it; the top-2 of the paper's seven algorithms in each row are bold. The algorithms this
+selection is listed (--selection-seeds: selected on those seeds only; the selection is also scored on the
+other seeds, fresh_seeds.md, and written to selected.json for run_grid.py --cells). Cells show mean +- sample
+standard deviation (ddof=1) over seeds of final_score, the paper's value beside it; the top-2 of the paper's seven algorithms in each row are bold. The algorithms this
 repository adds (CQL) are columns after the paper's, shown when they have results or are named in --algos, with
 no paper value and no rank.
 
@@ -46,7 +47,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from run_grid import (ALGORITHMS, ENVS, ENV_RENAMES, PAPER_ALGORITHMS, RESULT_FILE, check_result, fmt_value,  # noqa: E402
-                      norm_key)
+                      norm_key, parse_value)
 
 PAPER_CSV = Path(__file__).resolve().parent / "paper_table1.csv"
 LABELS = {key: label for key, (_, label) in ALGORITHMS.items()}
@@ -485,24 +486,40 @@ def build_report(root: Path, runs: list[Run], skipped, expected_seeds: int | Non
                                                  "summary": summary, "n_expected": n_expected, "algos": shown}
 
 
+def normalisable_rows(rows, behavior) -> tuple[list, dict, list]:
+    """The rows with a known U (UPPER) and a behaviour return below it, their behaviour returns, and the rows left
+    out because β is already at or above U (no improvement to share: the score is not defined there)."""
+    rows = [(env, eps) for env, eps in rows if env in UPPER and behavior.get((env, eps))]
+    beh = {r: sum(behavior[r]) / len(behavior[r]) for r in rows}
+    above = [r for r in rows if beh[r] >= UPPER[r[0]]]
+    return [r for r in rows if r not in above], beh, above
+
+
+def normalised(env: str, score: float, beh: float) -> float:
+    return (score - beh) / (UPPER[env] - beh)
+
+
+def mean_normalised(cells, rows, behavior, algo) -> float | None:
+    """The mean over the algorithm's normalisable rows of its selected configuration's normalised mean score."""
+    rows, beh, _ = normalisable_rows(rows, behavior)
+    vals = [normalised(r[0], cells[(*r, algo)].selected.stats[0], beh[r]) for r in rows if (*r, algo) in cells]
+    return sum(vals) / len(vals) if vals else None
+
+
 def normalised_section(cells, rows, behavior, paper, shown, ranks) -> list[str]:
     """Per algorithm over its rows with a known U (UPPER) below the behaviour return: the mean normalised improvement
     of its cells' means (and of the paper's numbers on the same rows), and, with the rliable package, the
     interquartile mean of its runs' normalised scores with a 95% stratified-bootstrap interval and the probability
     that BRPO improves on it, on the rows both have (Agarwal et al. 2021)."""
-    rows = [(env, eps) for env, eps in rows if env in UPPER and behavior.get((env, eps))]
-    beh = {r: sum(behavior[r]) / len(behavior[r]) for r in rows}
-    above = [r for r in rows if beh[r] >= UPPER[r[0]]]  # no improvement to share: the score is not defined
-    rows = [r for r in rows if r not in above]
+    rows, beh, above = normalisable_rows(rows, behavior)
     if not rows:
         return []
-    norm = lambda env, eps, x, b: (x - b) / (UPPER[env] - b)  # noqa: E731
     own = {a: [r for r in rows if (*r, a) in cells] for a in shown}
     scores = {}  # [runs, rows] (rliable's layout): each algorithm's runs, as many per row as its fewest
     for a, mine in own.items():
         n = min((cells[(*r, a)].selected.n for r in mine), default=0)
         if n >= 2:
-            scores[a] = np.array([[norm(*r, run.final_score, beh[r]) for run in cells[(*r, a)].selected.runs[:n]]
+            scores[a] = np.array([[normalised(r[0], run.final_score, beh[r]) for run in cells[(*r, a)].selected.runs[:n]]
                                   for r in mine]).T
     try:
         from rliable import library as rly, metrics
@@ -534,13 +551,55 @@ def normalised_section(cells, rows, behavior, paper, shown, ranks) -> list[str]:
               "|---|---|---|---|---|---|"]
     ci = lambda t: f"{t[0]:.2f} [{t[1]:.2f}, {t[2]:.2f}]" if t else "—"  # noqa: E731
     for a in shown:
-        mean = [norm(*r, cells[(*r, a)].selected.stats[0], beh[r]) for r in own[a]]
-        pap = [norm(*r, paper[(*r, LABELS[a])][0], paper[(*r, "Behavior")][0]) for r in own[a]
+        mean = [normalised(r[0], cells[(*r, a)].selected.stats[0], beh[r]) for r in own[a]]
+        pap = [normalised(r[0], paper[(*r, LABELS[a])][0], paper[(*r, "Behavior")][0]) for r in own[a]
                if (*r, LABELS[a]) in paper and (*r, "Behavior") in paper and paper[(*r, "Behavior")][0] < UPPER[r[0]]]
         lines.append(f"| {LABELS[a]} | {len(mean)} | " + (f"{sum(mean) / len(mean):.2f} | " if mean else "— | ")
                      + (f"{sum(pap) / len(pap):.2f} | " if pap and a in ranks else "— | ")
                      + f"{ci(iqm.get(a))} | {ci(poi.get(a))} |")
     return lines
+
+
+def selection_section(info: dict, fresh: dict | None, seeds: list[int]) -> str:
+    """How much of each number is selection: the paper's protocol (best configuration per cell on the selection seeds)
+    against the same configurations on the other seeds, per algorithm."""
+    lines = ["", "## Selection and fresh seeds", "",
+             f"The table above is the paper's protocol: in every cell, the configuration with the highest mean final "
+             f"score on seeds {', '.join(map(str, seeds))} (listed under Selected hyperparameters), scored on those "
+             "same seeds. Fresh seeds: the selected configurations on the other seeds (`fresh_seeds.md`; "
+             "`selected.json` runs them: `python benchmark/run_grid.py --cells selected.json --seeds ...`). The gap "
+             "between the two columns is what the selection adds."]
+    if fresh is None:
+        return "\n".join(lines + ["", "No run of a selected configuration on other seeds yet.", ""])
+    lines += ["", "| Algorithm | Rows (selection / fresh) | ≥ Behavior | Top-2 | Mean normalised improvement |",
+              "|---|---|---|---|---|"]
+    fmt = lambda x: "—" if x is None else f"{x:.2f}"  # noqa: E731
+    for a in info["algos"]:
+        s, f = info["summary"][a], fresh["summary"].get(a)
+        if f is None:
+            continue
+        top = f"{s['top2']} / {f['top2']}" if s["ranked"] or f["ranked"] else "—"
+        lines.append(f"| {LABELS[a]} | {s['rows']} / {f['rows']} | {s['ge_behavior']} / {f['ge_behavior']} | {top} | "
+                     f"{fmt(mean_normalised(info['cells'], info['rows'], info['behavior'], a))} / "
+                     f"{fmt(mean_normalised(fresh['cells'], fresh['rows'], fresh['behavior'], a))} |")
+    return "\n".join(lines + [""])
+
+
+def selected_cells(info: dict, seeds: list[int]) -> str:
+    """selected.json: the selected configuration of every cell laid out by run_grid.py, as run_grid.py --cells reads
+    it (its hyperparameters are those of the run directory's name, <algo>__<flag>=<value>,...)."""
+    out = []
+    order = lambda kv: (row_key(*kv[0][:2]), ALGO_ORDER.index(kv[0][2]))  # noqa: E731
+    for (env, eps, algo), cell in sorted(info["cells"].items(), key=order):
+        name = cell.selected.group.rsplit("/", 1)[-1]
+        if not cell.selected.group.startswith("dir:") or name.split("__")[0] != algo:
+            continue  # not run_grid.py's layout: its flags cannot be told from the directory
+        pairs = [kv.split("=", 1) for kv in name.split("__", 1)[1].split(",")] if "__" in name else []
+        out.append({"env_id": env, "epsilon": eps, "algorithm": algo,
+                    "hparams": {k: parse_value(v) for k, v in pairs}})
+    return json.dumps({"description": f"configurations selected on seeds {', '.join(map(str, seeds))} by "
+                                      "benchmark/aggregate.py --selection-seeds", "selection_seeds": seeds,
+                       "cells": out}, indent=1) + "\n"
 
 
 def interval(rly, score_dict: dict, func) -> dict:
@@ -690,6 +749,10 @@ def _main(argv: list[str] | None = None) -> int:
     p.add_argument("--merge-runs", type=Path, action="append", default=[], metavar="RUNS_CSV",
                    help="also count the runs listed in this earlier runs.csv (repeatable); a result.json of the "
                         "same cell, configuration and seed replaces its row")
+    p.add_argument("--selection-seeds", nargs="+", type=int, default=None, metavar="SEED",
+                   help="the paper's protocol: select each cell's configuration on these seeds only (table1.md), "
+                        "score the selected configurations on every other seed (fresh_seeds.md), and write "
+                        "selected.json for run_grid.py --cells")
     p.add_argument("--algos", nargs="+", default=None, metavar="ALGO",
                    help=f"only these algorithms' columns ({' '.join(ALGO_ORDER)}; default: the paper's and any "
                         "other with results)")
@@ -717,6 +780,9 @@ def _main(argv: list[str] | None = None) -> int:
             runs = merge_runs(runs, load_runs_csv(path))
         if opts.algos:
             runs = [r for r in runs if r.algo in opts.algos]
+        if opts.selection_seeds and runs and not any(r.seed in opts.selection_seeds for r in runs):
+            raise AggregateError(f"no result for the --selection-seeds {' '.join(map(str, opts.selection_seeds))} "
+                                 f"under '{root}' (seeds found: {' '.join(map(str, sorted({r.seed for r in runs})))})")
         if not runs:
             raise AggregateError(f"no valid result.json under '{root}'"
                                  + (f" for --algos {' '.join(opts.algos)}" if opts.algos else "")
@@ -737,8 +803,24 @@ def _main(argv: list[str] | None = None) -> int:
 
 def write_report(opts, argv, root: Path, runs, skipped, out: Path, final: Path) -> int:
     command = shlex.join(["python", "benchmark/aggregate.py", *argv])
-    text, info = build_report(root, runs, skipped, opts.expected_seeds, load_paper(opts.paper_csv),
-                                          read_invocations(root), command, opts.algos)
+    paper, invocations = load_paper(opts.paper_csv), read_invocations(root)
+    chosen = set(opts.selection_seeds or [r.seed for r in runs])
+    text, info = build_report(root, [r for r in runs if r.seed in chosen], skipped, opts.expected_seeds, paper,
+                              invocations, command, opts.algos)
+    infos = [info]
+    if opts.selection_seeds:  # the paper's protocol, and the selected configurations on the other seeds
+        picked = {key: cell.selected.group for key, cell in info["cells"].items()}
+        fresh = [r for r in runs if r.seed not in chosen
+                 and picked.get((r.env_id, round(r.epsilon, 6), r.algo)) == r.group]
+        fresh_info = None
+        if fresh:
+            fresh_text, fresh_info = build_report(root, fresh, [], opts.expected_seeds, paper, invocations, command,
+                                                  opts.algos)
+            write_atomic(out / "fresh_seeds.md", fresh_text.replace(
+                "# Table 1 reproduction", "# Table 1 reproduction: the selected configurations on fresh seeds", 1))
+            infos.append(fresh_info)
+        text = text.replace("\n## Summary", selection_section(info, fresh_info, sorted(chosen)) + "\n## Summary", 1)
+        write_atomic(out / "selected.json", selected_cells(info, sorted(chosen)))
     write_atomic(out / "table1.md", text)
     buf = io.StringIO()
     fields = ["env_id", "epsilon", "algorithm", "config", "selected", "n", "mean", "std", "seeds"]
@@ -753,13 +835,13 @@ def write_report(opts, argv, root: Path, runs, skipped, out: Path, final: Path) 
     write_atomic(out / "configs.csv", buf.getvalue())
     # one row per run: the per-seed numbers behind the table, with each script's diagnostics (e.g. BRPO's
     # mean lambda, KL(pi || beta) and bound estimate)
-    cells = info["cells"]
-    extra_keys = sorted({k for cell in cells.values() for c in cell.configs for r in c.runs for k in r.extra})
+    cells = [cell for i in infos for cell in i["cells"].values()]  # with --selection-seeds: the fresh seeds' too
+    extra_keys = sorted({k for cell in cells for c in cell.configs for r in c.runs for k in r.extra})
     buf = io.StringIO()
     w = csv.DictWriter(buf, fieldnames=["env_id", "epsilon", "algorithm", "config", "seed", "final_score",
                                         "behavior_return", "score_minus_behavior", "eval_se", *extra_keys])
     w.writeheader()
-    for cell in sorted(cells.values(), key=lambda c: (row_key(c.env_id, c.epsilon), ALGO_ORDER.index(c.algo))):
+    for cell in sorted(cells, key=lambda c: (row_key(c.env_id, c.epsilon), ALGO_ORDER.index(c.algo))):
         for c in cell.configs:
             for r in c.runs:
                 beh = r.behavior_return

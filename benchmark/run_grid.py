@@ -17,6 +17,7 @@ Examples
     python benchmark/run_grid.py --workers 2 --total-steps 20000 --seeds 1 2 3
     python benchmark/run_grid.py --algos brpo_c --sweep brpo_c:lam=0.25,0.5,0.75
     python benchmark/run_grid.py --grid benchmark/paper_sweep.json --slurm
+    python benchmark/run_grid.py --cells report/selected.json --seeds 6 7 8 9 10   # aggregate.py's selection
 
 See docs/benchmark.md for the full description.
 """
@@ -279,6 +280,30 @@ def load_grid_file(path: Path, algos: list[str]) -> dict[str, dict[str, list]]:
                 grid.setdefault(a, {})[norm_key(key)] = check_values(values if isinstance(values, list) else [values],
                                                                      f"grid file '{path}', {name}.{key}")
     return grid
+
+
+def load_cells(path: Path, seeds: list[int]) -> list[Cell]:
+    """The cells of a selected.json (aggregate.py --selection-seeds): {"cells": [{"env_id", "epsilon", "algorithm",
+    "hparams": {flag: value}}, ...]}, each for every seed."""
+    try:
+        entries = json.loads(Path(path).read_text())["cells"]
+        cells = []
+        for e in entries:
+            hp = dict(e.get("hparams") or {})
+            check_values(list(hp.values()) or [0], f"cells file '{path}', {e['algorithm']}")
+            for key in hp:
+                if norm_key(key) in RESERVED_FLAGS:
+                    raise GridError(f"cells file '{path}': '{key}' defines the grid cell and cannot be a hyperparameter")
+            cells += [Cell(canonical_env(e["env_id"]), float(e["epsilon"]), canonical_algo(e["algorithm"]), int(seed),
+                           tuple(sorted((norm_key(k), v) for k, v in hp.items()))) for seed in seeds]
+    except FileNotFoundError:
+        raise GridError(f"cells file '{path}' not found") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as e:
+        raise GridError(f"cells file '{path}' is not a selected.json of aggregate.py --selection-seeds "
+                        f"({type(e).__name__}: {e})") from None
+    if not cells:
+        raise GridError(f"cells file '{path}' lists no cells")
+    return list({c.run_name: c for c in cells}.values())
 
 
 def check_values(values: list, where: str) -> list:
@@ -744,6 +769,9 @@ def make_parser() -> argparse.ArgumentParser:
     g.add_argument("--seeds", nargs="+", type=int, default=list(PAPER_SEEDS), help="seeds")
     g.add_argument("--sweep", action="append", default=[], metavar="ALGO:KEY=V1,V2",
                    help="sweep a flag for one algorithm ('all:' for every algorithm); repeatable")
+    g.add_argument("--cells", type=Path, default=None, metavar="SELECTED_JSON",
+                   help="run exactly these (task, epsilon, algorithm, configuration) cells for --seeds, e.g. the "
+                        "selected.json of aggregate.py --selection-seeds (instead of --envs/--epsilons/--algos/--grid)")
     g.add_argument("--grid", type=Path, default=None,
                    help="JSON hyperparameter grid file, e.g. benchmark/paper_sweep.json")
     s = p.add_argument_group("settings passed to every script (omitted = the script's default)")
@@ -815,10 +843,18 @@ def _main(opts: argparse.Namespace) -> int:
                 "eval_episodes": opts.eval_episodes}
     out = opts.out.resolve()
     repo = opts.repo.resolve()
+    if opts.cells and (opts.grid or opts.sweep):
+        raise GridError("--cells names each cell's configuration: it cannot be combined with --grid or --sweep")
+    cells = load_cells(opts.cells, seeds) if opts.cells else expand_grid(envs, epsilons, algos, seeds, grid)
+    if opts.cells:
+        grid = {}  # for the unknown-flag check below
+        for c in cells:
+            grid.setdefault(c.algo, {}).update({k: [v] for k, v in c.hparams})
+        envs, epsilons, algos = (list(dict.fromkeys(getattr(c, f) for c in cells))
+                                 for f in ("env_id", "epsilon", "algo"))
     unknown = unknown_flag_warnings(grid, repo)
     if unknown:  # every run would fail on it: stop before starting any
         raise GridError(f"{unknown[0]} (see the script's --help for its flags)")
-    cells = expand_grid(envs, epsilons, algos, seeds, grid)
     lock = None if opts.dry_run else lock_results(out)  # noqa: F841 (held while this function runs)
 
     finished, pending, stale = [], [], []

@@ -587,6 +587,54 @@ def test_aggregate_selects_best_config_and_says_so(tmp_path):
     assert not list((tmp_path / "rep").glob("*.png"))
 
 
+def test_aggregate_selection_seeds_fresh_seeds_and_selected_cells(repo, tmp_path, capsys):
+    res = tmp_path / "res"
+    # selection seeds 1, 2: lam=0.5 wins; on fresh seeds 6, 7 it scores less, and lam=0.25's fresh runs (which the
+    # selection did not pick) must not be counted
+    for lam, sel, fresh in ((0.25, 10.0, 90.0), (0.5, 30.0, 20.0)):
+        for seed in (1, 2):
+            write_result(res, "CartPole-v1", 0.25, "brpo_c", seed, sel + seed, config=f"brpo_c__lam={lam}",
+                         hparams={"lam": lam})
+        for seed in (6, 7):
+            write_result(res, "CartPole-v1", 0.25, "brpo_c", seed, fresh + seed, config=f"brpo_c__lam={lam}",
+                         hparams={"lam": lam})
+    for seed in (1, 2, 6):
+        write_result(res, "CartPole-v1", 0.25, "dqn", seed, 60.0 + seed)
+    rep = tmp_path / "rep"
+    assert aggregate.main([str(res), "--out", str(rep), "--no-plots", "--selection-seeds", "1", "2"]) == 0
+    text, fresh = (rep / "table1.md").read_text(), (rep / "fresh_seeds.md").read_text()
+    assert table_row(text, "CartPole-v1-0.25")[:2] == ["61.5 ± 0.7 (paper 368.5)", "31.5 ± 0.7 (paper 405.1)"]
+    assert table_row(fresh, "CartPole-v1-0.25")[:2] == ["66.0 n=1/2 (paper 368.5)", "26.5 ± 0.7 (paper 405.1)"]
+    assert "seeds = 1, 2 " in text and "seeds = 6, 7 " in fresh and "## Selected hyperparameters" not in fresh
+    section = text.split("## Selection and fresh seeds")[1].split("\n## ")[0]
+    norm = lambda x: (x - 50.0) / (500.0 - 50.0)  # noqa: E731
+    assert f"| BRPO-C | 1 / 1 | 0 / 0 | — | {norm(31.5):.2f} / {norm(26.5):.2f} |" in section
+    assert f"| DQN | 1 / 1 | 1 / 1 | — | {norm(61.5):.2f} / {norm(66.0):.2f} |" in section
+    runs = list(csv.DictReader(open(rep / "runs.csv")))
+    assert sorted((r["algorithm"], r["config"], r["seed"]) for r in runs if r["seed"] in ("6", "7")) == [
+        ("BRPO-C", "lam=0.5", "6"), ("BRPO-C", "lam=0.5", "7"), ("DQN", "default", "6")]
+    selected = json.loads((rep / "selected.json").read_text())
+    assert selected["selection_seeds"] == [1, 2] and selected["cells"] == [
+        {"env_id": "CartPole-v1", "epsilon": 0.25, "algorithm": "dqn", "hparams": {}},
+        {"env_id": "CartPole-v1", "epsilon": 0.25, "algorithm": "brpo_c", "hparams": {"lam": 0.5}}]
+    # run_grid.py runs exactly the selected cells on the fresh seeds, into the same configuration directories
+    capsys.readouterr()
+    assert run_grid.main(["--repo", str(repo), "--out", str(res), "--no-collect", "--dry-run",
+                          "--cells", str(rep / "selected.json"), "--seeds", "8", "9"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 2 and all("--seeds 8 9" in line and "--epsilons 0.25" in line for line in lines)
+    assert any("brpo_c.py" in line and "--lam 0.5" in line and "brpo_c__lam=0.5/seed{seed}" in line for line in lines)
+    assert any("dqn_offline.py" in line and "/dqn/seed{seed}" in line for line in lines)
+    # bad input: one line
+    assert aggregate.main([str(res), "--out", str(rep), "--selection-seeds", "42"]) == 2
+    assert "no result for the --selection-seeds 42" in capsys.readouterr().err
+    (tmp_path / "bad.json").write_text('{"cells": [{"env_id": "CartPole-v1"}]}')
+    for argv in (["--cells", str(tmp_path / "bad.json")], ["--cells", str(rep / "selected.json"), "--sweep", "bc:lr=1"]):
+        assert run_grid.main(["--repo", str(repo), "--out", str(res), "--dry-run", *argv]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("run_grid.py: error:")
+
+
 def test_aggregate_algos_restricts_the_columns(tmp_path, capsys):
     res = tmp_path / "res"
     for algo, score in (("brpo", 60.0), ("brpo_c", 40.0), ("dqn", 99.0), ("bc", 10.0)):
@@ -779,6 +827,30 @@ def test_shell_preset_runs_and_aggregates(repo, tmp_path):
     text = report.read_text()
     assert "| CartPole-v1-0.50 |" in text and "python benchmark/run_grid.py" in text  # invocation recorded
     assert "n=2/3" in text and "seeds = 1, 2, 3" in text
+
+
+def test_paper_protocol_selects_then_runs_the_selection_on_fresh_seeds(repo, tmp_path):
+    """paper_protocol.sh end to end on the fake scripts: a two-configuration sweep on the selection seeds, then only
+    the selected configuration on the fresh seed, and the report with both."""
+    sweep = tmp_path / "sweep.json"
+    sweep.write_text(json.dumps({"algorithms": {"brpo_c": {"lam": [0.25, 0.5]}}}))
+    env = _shell_env(tmp_path, ENVS="CartPole-v1", EPSILONS="0.5", ALGOS="brpo_c dqn", SWEEP=str(sweep),
+                     SELECTION_SEEDS="1 2", FRESH_SEEDS="3")
+    proc = subprocess.run(["bash", str(BENCH / "paper_protocol.sh"), "--repo", str(repo), "--total-steps", "2000"],
+                          env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = tmp_path / "out" / "CartPole-v1" / "eps0.5"
+    report = tmp_path / "out" / "report"
+    selected = json.loads((report / "selected.json").read_text())["cells"]
+    lam = next(c["hparams"]["lam"] for c in selected if c["algorithm"] == "brpo_c")
+    for value in (0.25, 0.5):
+        seeds = sorted(p.parent.name for p in (out / f"brpo_c__lam={value}").glob("seed*/result.json"))
+        assert seeds == ["seed1", "seed2"] + (["seed3"] if value == lam else [])
+    assert sorted(p.parent.name for p in (out / "dqn").glob("seed*/result.json")) == ["seed1", "seed2", "seed3"]
+    text = (report / "table1.md").read_text()
+    assert "## Selection and fresh seeds" in text and "## Selected hyperparameters" in text
+    assert "| BRPO-C | 1 / 1 |" in text and "seeds = 3 " in (report / "fresh_seeds.md").read_text()
+    assert proc.stdout.strip().endswith(f"report: {tmp_path / 'out'}/report/table1.md")
 
 
 def test_failed_dataset_collection_blocks_its_runs(repo, tmp_path, capsys):
