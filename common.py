@@ -579,6 +579,9 @@ def cli(args_type, main) -> None:
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
+        # --sweep is a list: a second --sweep would silently replace the first (tyro keeps the last)
+        require(sum(a == "--sweep" or a.startswith("--sweep=") for a in sys.argv[1:]) <= 1, "--sweep is given more "
+                "than once; name every swept flag in one --sweep, e.g. --sweep mu=0.5,0.9 learning-rate=1e-3,3e-4")
         main(tyro.cli(args_type))
     except KeyboardInterrupt:
         print(f"{Path(sys.argv[0]).name}: interrupted; nothing written", file=sys.stderr)

@@ -228,9 +228,10 @@ def pack_command(pack: Pack, settings: dict, out: Path, python: str, threads: in
             cmd.append(flag if value else "--no-" + flag[2:])
         else:
             cmd += [flag, format(value, ".15g") if isinstance(value, float) else str(value)]
-    for key, values in pack.swept.items():
-        cmd += ["--sweep", f"{key.replace('_', '-')}=" + ",".join(format(v, ".15g") if isinstance(v, float) else str(v)
-                                                                  for v in values)]
+    if pack.swept:  # one --sweep holding every swept flag (the scripts' --sweep is a list: a second would replace it)
+        cmd += ["--sweep", *(f"{key.replace('_', '-')}=" + ",".join(format(v, ".15g") if isinstance(v, float) else
+                                                                    str(v) for v in values)
+                             for key, values in pack.swept.items())]
     names = dict(pack.fixed) | {k: f"{{{k}}}" for k in pack.swept}
     literal = lambda v: fmt_value(v).replace("{", "{{").replace("}", "}}")  # noqa: E731
     config = pack.algo + ("__" + ",".join(f"{k}={names[k] if k in pack.swept else literal(names[k])}"

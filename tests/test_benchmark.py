@@ -35,7 +35,7 @@ FAKE_ALGO = textwrap.dedent('''
     p.add_argument("--env-id", required=True)
     p.add_argument("--epsilons", type=float, nargs="+", required=True)
     p.add_argument("--seeds", type=int, nargs="+", required=True)
-    p.add_argument("--sweep", action="append", default=[])
+    p.add_argument("--sweep", nargs="+", default=[])  # a list, as the scripts' (tyro): a second --sweep replaces it
     p.add_argument("--skip-finished", action="store_true")
     p.add_argument("--total-steps", type=int, default=5000)
     p.add_argument("--eval-frequency", type=int, default=1000)
@@ -165,7 +165,8 @@ def test_paper_sweep_file_matches_paper_ranges():
     assert grid["klq"]["kl_weight"] == [0.01, 0.03, 0.1, 0.3]
     cells = expand_grid(["CartPole-v1"], [0.5], algos, [1], grid)
     expected = sum(math.prod(len(v) for v in grid[a].values()) for a in algos)
-    assert len(cells) == expected == 9 + 135 + 54 + 36 + 36 + 36 + 3
+    assert grid["brpo"]["kappa_max"] == grid["brpo_c"]["kappa_max"] == [0.001, 0.005, 0.02]  # the temperature
+    assert len(cells) == expected == 9 + 135 * 3 + 54 * 3 + 36 + 36 + 36 + 3
     assert len({c.run_name for c in cells}) == len(cells)
     assert run_grid.unknown_flag_warnings(grid) == []
     # CQL, not in the paper: DQN's ranges and our alpha range, every flag one of cql_discrete.py's
@@ -199,7 +200,7 @@ def test_pack_command_format():
     assert cmd[:2] == ["python", "brpo.py"]
     text = " ".join(cmd)
     assert "--env-id Acrobot-v1 --epsilons 0.15 1 --seeds 3 4 --total-steps 20000" in text
-    assert "--sweep mu=0.5 --sweep penalty-scale=0.1" in text and "--eval-frequency" not in text
+    assert "--sweep mu=0.5 penalty-scale=0.1 --threads" in text and "--eval-frequency" not in text
     assert text.endswith("--threads 1 --skip-finished --runs-dir /o --run-name "
                          "Acrobot-v1/eps{epsilon}/brpo__mu={mu},penalty_scale={penalty_scale}/seed{seed}")
     # the template names each member's cell exactly

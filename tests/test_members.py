@@ -135,10 +135,16 @@ def test_member_names_sweeps_and_skip_finished(datasets, tmp_path):
     dirs = sorted(str(p.parent.relative_to(tmp_path)) for p in tmp_path.rglob("result.json"))
     assert dirs == ["w0.3/s1", "w0.3/s2", "w0/s1", "w0/s2"]
     assert json.loads((tmp_path / "w0.3" / "s2" / "result.json").read_text())["args"]["kl_weight"] == 0.3
+    # two swept flags in one --sweep: every combination
+    proc = run([*base, "--sweep", "kl-weight=0.1", "tau=0.5,1", "--run-name", "two/w{kl_weight}t{tau}"])
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(p.parent.name for p in (tmp_path / "two").rglob("result.json")) == ["w0.1t0.5", "w0.1t1"]
+    assert json.loads((tmp_path / "two" / "w0.1t1" / "result.json").read_text())["args"]["tau"] == 1.0
     # a template that names two members alike, a flag no member may vary, a finished run: one line each
     for extra, message in ((["--seeds", "1", "2", "--run-name", "same"], "gives several members the same directory"),
                            (["--sweep", "batch-size=32,64"], "--sweep 'batch-size=32,64': expected FLAG=V1,V2"),
                            (["--sweep", "kl-weight=a,b"], "takes float values"),
+                           (["--sweep", "kl-weight=0", "--sweep", "tau=1"], "--sweep is given more than once"),
                            (["--seeds", "1", "2", "--run-name", "{nope}"], "a template may name"),
                            (["--seeds", "1", "--run-name", "w0/s1"], "holds a finished run")):
         bad = run([*base, *extra])
