@@ -499,10 +499,12 @@ def normalised(env: str, score: float, beh: float) -> float:
     return (score - beh) / (UPPER[env] - beh)
 
 
-def mean_normalised(cells, rows, behavior, algo) -> float | None:
-    """The mean over the algorithm's normalisable rows of its selected configuration's normalised mean score."""
+def mean_normalised(cells, rows, behavior, algo, among=None) -> float | None:
+    """The mean over the algorithm's normalisable rows (those in among, if given) of its selected configuration's
+    normalised mean score."""
     rows, beh, _ = normalisable_rows(rows, behavior)
-    vals = [normalised(r[0], cells[(*r, algo)].selected.stats[0], beh[r]) for r in rows if (*r, algo) in cells]
+    vals = [normalised(r[0], cells[(*r, algo)].selected.stats[0], beh[r]) for r in rows
+            if (*r, algo) in cells and (among is None or r in among)]
     return sum(vals) / len(vals) if vals else None
 
 
@@ -571,17 +573,18 @@ def selection_section(info: dict, fresh: dict | None, seeds: list[int]) -> str:
              "between the two columns is what the selection adds."]
     if fresh is None:
         return "\n".join(lines + ["", "No run of a selected configuration on other seeds yet.", ""])
-    lines += ["", "| Algorithm | Rows (selection / fresh) | ≥ Behavior | Top-2 | Mean normalised improvement |",
-              "|---|---|---|---|---|"]
+    lines += ["", "| Algorithm | Rows (selection / fresh) | ≥ Behavior | Top-2 | Mean normalised improvement, on the "
+              "rows both have |", "|---|---|---|---|---|"]
     fmt = lambda x: "—" if x is None else f"{x:.2f}"  # noqa: E731
     for a in info["algos"]:
         s, f = info["summary"][a], fresh["summary"].get(a)
         if f is None:
             continue
         top = f"{s['top2']} / {f['top2']}" if s["ranked"] or f["ranked"] else "—"
+        both = {r for r in info["rows"] if (*r, a) in info["cells"] and (*r, a) in fresh["cells"]}
         lines.append(f"| {LABELS[a]} | {s['rows']} / {f['rows']} | {s['ge_behavior']} / {f['ge_behavior']} | {top} | "
-                     f"{fmt(mean_normalised(info['cells'], info['rows'], info['behavior'], a))} / "
-                     f"{fmt(mean_normalised(fresh['cells'], fresh['rows'], fresh['behavior'], a))} |")
+                     f"{fmt(mean_normalised(info['cells'], info['rows'], info['behavior'], a, both))} / "
+                     f"{fmt(mean_normalised(fresh['cells'], fresh['rows'], fresh['behavior'], a, both))} |")
     return "\n".join(lines + [""])
 
 
@@ -595,6 +598,8 @@ def selected_cells(info: dict, seeds: list[int]) -> str:
         if not cell.selected.group.startswith("dir:") or name.split("__")[0] != algo:
             continue  # not run_grid.py's layout: its flags cannot be told from the directory
         pairs = [kv.split("=", 1) for kv in name.split("__", 1)[1].split(",")] if "__" in name else []
+        if any(len(p) != 2 for p in pairs):
+            continue  # a directory named by hand, not <algo>__<flag>=<value>,...
         out.append({"env_id": env, "epsilon": eps, "algorithm": algo,
                     "hparams": {k: parse_value(v) for k, v in pairs}})
     return json.dumps({"description": f"configurations selected on seeds {', '.join(map(str, seeds))} by "
@@ -814,8 +819,7 @@ def write_report(opts, argv, root: Path, runs, skipped, out: Path, final: Path) 
                  and picked.get((r.env_id, round(r.epsilon, 6), r.algo)) == r.group]
         fresh_info = None
         if fresh:
-            fresh_text, fresh_info = build_report(root, fresh, [], opts.expected_seeds, paper, invocations, command,
-                                                  opts.algos)
+            fresh_text, fresh_info = build_report(root, fresh, [], None, paper, invocations, command, opts.algos)
             write_atomic(out / "fresh_seeds.md", fresh_text.replace(
                 "# Table 1 reproduction", "# Table 1 reproduction: the selected configurations on fresh seeds", 1))
             infos.append(fresh_info)
@@ -858,6 +862,9 @@ def write_report(opts, argv, root: Path, runs, skipped, out: Path, final: Path) 
         raise AggregateError(f"cannot write the learning curves to {out} ({e.strerror or e})") from None
     try:
         final.mkdir(parents=True, exist_ok=True)
+        for name in ("fresh_seeds.md", "selected.json"):  # an earlier selection's, not made again: not left behind
+            if not (out / name).exists():
+                (final / name).unlink(missing_ok=True)
         for f in sorted(out.iterdir()):
             shutil.move(str(f), final / f.name)
     except OSError as e:

@@ -187,16 +187,37 @@ class Pack:
 
 
 
-def pack_cells(cells: list[Cell], repo: Path, max_members: int) -> list[Pack]:
+def pack_cells(cells: list[Cell], repo: Path, max_members: int, grid: list[Cell] | None = None) -> list[Pack]:
     """Every cell in exactly one pack: cells of one task, algorithm and non-member settings share a pack, split (the
-    largest of epsilons, value lists and seeds halved first) until a pack has at most max_members members."""
-    groups: dict = {}
+    largest of epsilons, value lists and seeds halved first) until a pack has at most max_members members. A process
+    trains every combination of its epsilons, values and seeds: where that would include a cell outside the grid
+    (grid: all its cells, finished ones too; default: cells), e.g. the per-cell configurations of --cells, the cells
+    are first grouped by configuration, then by configuration and epsilon."""
     flags = {a: member_flags(Path(repo) / ALGORITHMS[a][0]) for a in dict.fromkeys(c.algo for c in cells)}
+    names = {c.run_name for c in (cells if grid is None else grid)}
+
+    def complete(members: list[Cell]) -> bool:  # every cell the process would train is in the grid
+        keys = sorted({k for c in members for k, _ in c.hparams if k in flags[c.algo]})
+        fixed = [(k, v) for k, v in members[0].hparams if k not in keys]
+        values = [list(dict.fromkeys(dict(c.hparams)[k] for c in members)) for k in keys]
+        return all(Cell(members[0].env_id, e, members[0].algo, s, tuple(sorted(fixed + list(zip(keys, combo))))
+                       ).run_name in names for e in {c.epsilon for c in members} for s in {c.seed for c in members}
+                   for combo in itertools.product(*values))
+
+    groups: dict = {}
     for c in cells:
         fixed = tuple((k, v) for k, v in c.hparams if k not in flags[c.algo])
-        groups.setdefault((c.env_id, c.algo, fixed), []).append(c)
+        swept = tuple(k for k, _ in c.hparams if k in flags[c.algo])
+        groups.setdefault((c.env_id, c.algo, fixed, swept), []).append(c)
+    for by in (lambda c: c.hparams, lambda c: (c.hparams, c.epsilon)):  # split only where needed
+        split: dict = {}
+        for key, members in groups.items():
+            whole = complete(members)
+            for c in members:
+                split.setdefault(key if whole else key[:4] + (by(c),), []).append(c)
+        groups = split
     packs = []
-    for (env_id, algo, fixed), members in groups.items():
+    for (env_id, algo, fixed, *_), members in groups.items():
         swept_keys = sorted({k for c in members for k, _ in c.hparams if k in flags[algo]})
         dims = [list(dict.fromkeys(c.epsilon for c in members)), *[
             list(dict.fromkeys(dict(c.hparams)[k] for c in members)) for k in swept_keys],
@@ -290,7 +311,10 @@ def load_cells(path: Path, seeds: list[int]) -> list[Cell]:
         entries = json.loads(Path(path).read_text())["cells"]
         cells = []
         for e in entries:
-            hp = dict(e.get("hparams") or {})
+            hp, eps = e.get("hparams", {}), e["epsilon"]
+            if not isinstance(hp, dict) or isinstance(eps, bool) or not isinstance(eps, (int, float)) \
+                    or not 0.0 <= eps <= 1.0:
+                raise ValueError(f"entry {e}: needs an epsilon in [0, 1] and hparams as an object of flag: value")
             check_values(list(hp.values()) or [0], f"cells file '{path}', {e['algorithm']}")
             for key in hp:
                 if norm_key(key) in RESERVED_FLAGS:
@@ -878,7 +902,7 @@ def _main(opts: argparse.Namespace) -> int:
     if opts.dry_run:
         for env_id, eps in missing.items():
             print(shlex.join(collect_command(opts.python, env_id, eps)))
-        for pack in pack_cells(pending, repo, opts.max_members):
+        for pack in pack_cells(pending, repo, opts.max_members, cells):
             print(shlex.join(pack_command(pack, settings, out, opts.python, opts.threads)))
         return 0
 
@@ -887,7 +911,7 @@ def _main(opts: argparse.Namespace) -> int:
         return 0
 
     if opts.slurm:
-        packs = pack_cells(pending, repo, opts.max_members)
+        packs = pack_cells(pending, repo, opts.max_members, cells)
         sdir = write_slurm(packs, settings, out, repo, opts.python, opts.threads, missing, opts)
         log_invocation(out, opts, len(cells), len(pending))
         n_arrays = len(list(sdir.glob("grid_*.sbatch")))
@@ -931,7 +955,7 @@ def _main(opts: argparse.Namespace) -> int:
         quarantine(cell.run_dir(out) / RESULT_FILE)  # an invalid/stale result must never look finished
     # the longest processes first, so that the last ones to finish are short (relative costs measured on the 2-core
     # machine: LunarLander's evaluation is bound by Box2D, BRPO's update by its solver)
-    packs = sorted(pack_cells(pending, repo, opts.max_members), key=lambda pack: -pack.size * {
+    packs = sorted(pack_cells(pending, repo, opts.max_members, cells), key=lambda pack: -pack.size * {
         "LunarLander-v3": 4, "Acrobot-v1": 2}.get(pack.env_id, 1) * {"brpo": 4, "brpo_c": 2, "bcq": 2}.get(pack.algo, 1))
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("__%Y%m%d-%H%M%S")
     print(f"{len(pending)} runs in {len(packs)} processes (at most {opts.max_members} runs each)", flush=True)

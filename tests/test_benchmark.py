@@ -243,6 +243,21 @@ def test_packs_hold_every_cell_exactly_once():
 # ----------------------------------------------------------------------------------------------
 # CLI errors and dry-run
 # ----------------------------------------------------------------------------------------------
+def test_packs_never_train_a_cell_outside_the_grid():
+    """Per-cell configurations (run_grid.py --cells): a process trains every combination of its epsilons, values and
+    seeds, so cells whose configurations differ are not packed together; a resumed full grid stays one process."""
+    configs = {0.05: (("lam", 0.25), ("mu", 0.1)), 0.15: (("lam", 0.75), ("mu", 0.9)), 0.5: (("lam", 0.25), ("mu", 0.9)),
+               1.0: (("lam", 0.25), ("mu", 0.1))}
+    cells = [Cell("CartPole-v1", e, "brpo_c", s, hp) for e, hp in configs.items() for s in (1, 2)]
+    packs = run_grid.pack_cells(cells, BENCH.parent, 100)
+    assert sum(p.size for p in packs) == len(cells) == sum(len(p.cells) for p in packs)
+    assert sorted(len(p.cells) for p in packs) == [2, 2, 4]  # eps 0.05 and 1 share their configuration
+    full = expand_grid(["CartPole-v1"], [0.05, 0.5], ["brpo_c"], [1, 2, 3], {"brpo_c": {"lam": [0.25, 0.5]}})
+    pending = [c for c in full if c.seed != 2 or c.epsilon != 0.5]  # some runs finished
+    pack, = run_grid.pack_cells(pending, BENCH.parent, 100, full)
+    assert pack.size == len(full) and len(pack.cells) == len(pending)
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--algos", "sac"], "unknown algorithm 'sac'"),
     (["--envs", "Pong-v5"], "unknown env 'Pong-v5'"),
@@ -601,11 +616,13 @@ def test_aggregate_selection_seeds_fresh_seeds_and_selected_cells(repo, tmp_path
                          hparams={"lam": lam})
     for seed in (1, 2, 6):
         write_result(res, "CartPole-v1", 0.25, "dqn", seed, 60.0 + seed)
+    write_result(res, "Acrobot-v1", 0.5, "bc", 1, 0.0, config="bc__old")  # named by hand: not in selected.json
     rep = tmp_path / "rep"
     assert aggregate.main([str(res), "--out", str(rep), "--no-plots", "--selection-seeds", "1", "2"]) == 0
     text, fresh = (rep / "table1.md").read_text(), (rep / "fresh_seeds.md").read_text()
     assert table_row(text, "CartPole-v1-0.25")[:2] == ["61.5 ± 0.7 (paper 368.5)", "31.5 ± 0.7 (paper 405.1)"]
     assert table_row(fresh, "CartPole-v1-0.25")[:2] == ["66.0 n=1/2 (paper 368.5)", "26.5 ± 0.7 (paper 405.1)"]
+
     assert "seeds = 1, 2 " in text and "seeds = 6, 7 " in fresh and "## Selected hyperparameters" not in fresh
     section = text.split("## Selection and fresh seeds")[1].split("\n## ")[0]
     norm = lambda x: (x - 50.0) / (500.0 - 50.0)  # noqa: E731
@@ -629,11 +646,18 @@ def test_aggregate_selection_seeds_fresh_seeds_and_selected_cells(repo, tmp_path
     # bad input: one line
     assert aggregate.main([str(res), "--out", str(rep), "--selection-seeds", "42"]) == 2
     assert "no result for the --selection-seeds 42" in capsys.readouterr().err
-    (tmp_path / "bad.json").write_text('{"cells": [{"env_id": "CartPole-v1"}]}')
-    for argv in (["--cells", str(tmp_path / "bad.json")], ["--cells", str(rep / "selected.json"), "--sweep", "bc:lr=1"]):
+    for i, bad in enumerate(('{"cells": [{"env_id": "CartPole-v1"}]}', '{"cells": [3]}', '{"cells": [{"env_id": '
+                             '"CartPole-v1", "epsilon": 5, "algorithm": "dqn"}]}', '{"cells": [{"env_id": "CartPole-v1", '
+                             '"epsilon": 0.5, "algorithm": "dqn", "hparams": [["lam", 0.5]]}]}')):
+        (tmp_path / f"bad{i}.json").write_text(bad)
+    for argv in ([["--cells", str(tmp_path / f"bad{i}.json")] for i in range(4)]
+                 + [["--cells", str(rep / "selected.json"), "--sweep", "bc:lr=1"]]):
         assert run_grid.main(["--repo", str(repo), "--out", str(res), "--dry-run", *argv]) == 2
         err = capsys.readouterr().err.strip().splitlines()
-        assert len(err) == 1 and err[0].startswith("run_grid.py: error:")
+        assert len(err) == 1 and err[0].startswith("run_grid.py: error:"), err
+    # a report without the selection leaves no earlier selection's files behind
+    assert aggregate.main([str(res), "--out", str(rep), "--no-plots"]) == 0
+    assert not (rep / "fresh_seeds.md").exists() and not (rep / "selected.json").exists()
 
 
 def test_aggregate_algos_restricts_the_columns(tmp_path, capsys):
