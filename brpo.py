@@ -120,6 +120,7 @@ BETA_MIN = 1e-12  # floor of beta in the pessimism term (beta = 0 actions get rh
 D_ZERO = 1e-12  # |rho - beta| below this is rounding noise of two distributions that agree
 SNAP = 1e-12  # solver: a vertex coordinate within SNAP of 0 is rounding noise
 TINY = 1e-300  # floor of denominators that are positive up to underflow
+PROJECT_BLOCK = 16384  # states per block of project_confidence
 
 
 def log_probs(p: np.ndarray) -> np.ndarray:
@@ -493,6 +494,9 @@ def project_confidence(lam_tilde: np.ndarray, d: np.ndarray) -> np.ndarray:
     """Departure 2: the exact Euclidean projection onto Lambda(s) = [0,1]^|A| ∩ {lambda . d = 0} (the paper's
     shift-then-clip breaks the equality). KKT: lambda = clip(lam_tilde - nu d, 0, 1) with g(nu) = d . lambda = 0;
     g is non-increasing and piecewise linear, so nu is interpolated exactly between its sorted breakpoints."""
+    if len(d) > PROJECT_BLOCK:  # row by row the same; in blocks its temporaries stay in cache (2-3x on a batch)
+        return np.concatenate([project_confidence(lam_tilde[i:i + PROJECT_BLOCK], d[i:i + PROJECT_BLOCK])
+                               for i in range(0, len(d), PROJECT_BLOCK)])
     d = np.where(np.abs(d) > D_ZERO, d, 0.0)
     if d.shape[1] == 2:  # d = (delta, -delta): Lambda(s) is the diagonal, the projection is the clip of the mean
         return np.where((d != 0).any(1, keepdims=True), np.clip(lam_tilde.mean(1, keepdims=True), 0.0, 1.0),

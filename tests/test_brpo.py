@@ -637,7 +637,7 @@ def torch_kl_fit_loss(brpo, pi_phi, target):
     return (pi_phi * (lp - lq)).sum(-1).mean()
 
 
-def test_projection_feasible_and_optimal(brpo):
+def test_projection_feasible_and_optimal(brpo, monkeypatch):
     rng = np.random.default_rng(3)
     for n_actions in (2, 3, 4, 5):
         for kind in KINDS:
@@ -660,6 +660,12 @@ def test_projection_feasible_and_optimal(brpo):
     d, _, _ = random_instance(rng, 10, 3, "generic")
     x = brpo.project_confidence(rng.random((10, 3)), d)
     assert np.allclose(brpo.project_confidence(x, d), x, atol=1e-12)
+    # a large batch is projected in blocks of states: the same numbers as in one pass
+    d, _, _ = random_instance(rng, 50, 4, "generic")
+    lt = rng.random(d.shape)
+    whole = brpo.project_confidence(lt, d)
+    monkeypatch.setattr(brpo, "PROJECT_BLOCK", 7)
+    assert np.array_equal(brpo.project_confidence(lt, d), whole)
 
 
 def test_projection_gradcheck(brpo):
