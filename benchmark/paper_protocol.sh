@@ -8,6 +8,8 @@
 #   ENVS=CartPole-v1 ALGOS="brpo bcq" bash benchmark/paper_protocol.sh # a part of it
 #   bash benchmark/paper_protocol.sh --eval-sparse-frequency 5000      # sparse curves (the final score is unchanged)
 #   bash benchmark/paper_protocol.sh --dry-run                         # the sweep's commands only
+#   bash benchmark/paper_protocol.sh --slurm      # only the sweep's job arrays; once they have run: the selection
+#     (aggregate.py --selection-seeds) and the fresh seeds' arrays (run_grid.py --cells ... --slurm), docs/benchmark.md
 #
 # Resumable like table1.sh. Report: $OUT/report/table1.md (selection seeds, with the comparison to the fresh seeds),
 # fresh_seeds.md, selected.json (the selected configuration of every cell), runs.csv, configs.csv, curves_*.png.
@@ -38,5 +40,6 @@ python benchmark/run_grid.py --cells "$OUT/report/selected.json" --seeds $FRESH_
 status=$?
 [ $status -eq 2 ] || [ $status -eq 130 ] && exit $status
 python benchmark/aggregate.py "$OUT" --selection-seeds $SELECTION_SEEDS --expected-seeds "$(wc -w <<< "$SELECTION_SEEDS")" \
-    --out "$OUT/report" >/dev/null && echo "report: $OUT/report/table1.md"
+    --out "$OUT/report" >/dev/null || exit $?
+echo "report: $OUT/report/table1.md"
 exit $status
