@@ -9,9 +9,9 @@ their hyperparameters instead). When several configurations of an algorithm exis
 cell -- a sweep -- the one with the highest mean final score is reported, as in the paper, and the
 selection is listed (--selection-seeds: selected on those seeds only; the selection is also scored on the
 other seeds, fresh_seeds.md, and written to selected.json for run_grid.py --cells). Cells show mean +- sample
-standard deviation (ddof=1) over seeds of final_score, the paper's value beside it; the top-2 of the paper's seven algorithms in each row are bold. The algorithms this
-repository adds (CQL) are columns after the paper's, shown when they have results or are named in --algos, with
-no paper value and no rank.
+standard deviation (ddof=1) over seeds of final_score, the paper's value beside it; the top-2 of the paper's seven
+algorithms in each row are bold. The algorithms this repository adds (CQL) are columns after the paper's, shown when
+they have results or are named in --algos, with no paper value and no rank.
 
 Outputs (written atomically): table1.md, configs.csv, runs.csv, curves_<env>.png (mean +- standard error over
 seeds).
