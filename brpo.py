@@ -41,8 +41,7 @@ import common
 from common import load_checkpoint
 
 
-# --sweep may vary these (and --learning-rate, --gamma, --tau, --target-update-frequency) between the members of one
-# process
+# --sweep may vary these (and --learning-rate, --gamma, --tau, --target-update-frequency) between members
 MEMBER_FLAGS = ("confidence_learning_rate", "mu", "kappa_max", "kappa_decay", "kappa_scale", "pessimism",
                 "penalty_scale")
 
@@ -152,8 +151,8 @@ def candidate_policy(beta, lam, w, temp, log_beta=None):
     beta = 0 gives rho = 0 exactly, huge advantages a one-hot rho, never inf/NaN. No gradient flows through rho."""
     w = np.clip(w, -W_CLAMP, W_CLAMP)
     logits = (log_probs(beta) if log_beta is None else log_beta) + lam * w / temp[..., None]
-    e = np.exp(logits - logits.max(-1, keepdims=True))
-    return e / e.sum(-1, keepdims=True)
+    e = np.exp(logits - common.row_max(logits, True))
+    return e / common.row_sum(e, True)
 
 
 def advantage_unit(q: torch.Tensor, q_max: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -183,7 +182,7 @@ def candidate(beta, lam_tilde, w, p, pessimism, n_updates, unit, log_beta=None, 
 def residual_policy(beta, rho, lam):
     """pi = (1 - lambda) beta + lambda rho (Sec. 2); the clamp and renormalisation only remove rounding."""
     pi = np.maximum(beta + lam * (rho - beta), 0.0)
-    return pi / pi.sum(-1, keepdims=True)
+    return pi / common.row_sum(pi, True)
 
 
 # ---- Batch confidence lambda-bar* = argmax_{lambda in Lambda-bar} f(lambda) (Sec. 5, "The Closed-form Confidence")
@@ -192,7 +191,7 @@ def solver_advantage(w, beta, p, unit, sqrt_beta=None):
     pessimism 0); with the raw W, lambda-bar* undoes the pessimism exactly where the critic is wrong."""
     inv = 1.0 / (sqrt_floored(beta) if sqrt_beta is None else sqrt_beta)
     scale = np.where(p.advantage_unit, np.maximum(unit, UNIT_MIN)[:, None], 1.0)
-    return w - (p.pessimism * scale)[..., None] * (inv - (beta * inv).sum(-1, keepdims=True))
+    return w - (p.pessimism * scale)[..., None] * (inv - common.row_sum(beta * inv, True))
 
 
 def penalty_weight(batch_size, gamma, mu, scale_penalty_by_mu=True):
@@ -506,7 +505,7 @@ def project_confidence(lam_tilde: np.ndarray, d: np.ndarray) -> np.ndarray:
     # a spurious breakpoint at 0 for d_j = 0 is harmless: g is piecewise linear between any superset of breakpoints
     bp = np.sort(np.concatenate([np.where(nz, lam_tilde / safe_d, 0.0), np.where(nz, (lam_tilde - 1.0) / safe_d, 0.0)],
                                 -1), -1)
-    g = (np.clip(lam_tilde[:, None, :] - bp[:, :, None] * d[:, None, :], 0.0, 1.0) * d[:, None, :]).sum(-1)
+    g = common.row_sum(np.clip(lam_tilde[:, None, :] - bp[:, :, None] * d[:, None, :], 0.0, 1.0) * d[:, None, :])
     k = np.clip((g > 0).sum(-1) - 1, 0, bp.shape[-1] - 2)
     rows = np.arange(bp.shape[0])
     b0, b1, g0, g1 = bp[rows, k], bp[rows, k + 1], g[rows, k], g[rows, k + 1]
@@ -530,15 +529,15 @@ def confidence_fit(lam_tilde: np.ndarray, d: np.ndarray, beta: np.ndarray, rho: 
     g_lam = (lr + (pi > LOG_CLAMP)) * d / n
     free = (lam > 0.0) & (lam < 1.0)
     d_free = d * free
-    n_free = (np.square(d_free)).sum(-1, keepdims=True)
-    proj = (d_free * g_lam).sum(-1, keepdims=True) / np.where(n_free > 0, n_free, 1.0)
+    n_free = common.row_sum(np.square(d_free), True)
+    proj = common.row_sum(d_free * g_lam, True) / np.where(n_free > 0, n_free, 1.0)
     return loss, np.where(free, g_lam - d_free * proj, 0.0)
 
 
 # ---- Critic (Algorithm 1, line 6)
 def mixed_value(q, beta, mu, q_max=None):
     """V(s) = (1-mu) E_beta Q(s, .) + mu max_a Q(s, a), for the TD target and for W = Q - V (mu: [M, 1])."""
-    return (1.0 - mu) * (beta * q).sum(-1) + mu * (q.max(-1) if q_max is None else q_max)
+    return (1.0 - mu) * common.row_sum(beta * q) + mu * (common.row_max(q) if q_max is None else q_max)
 
 
 # ---- The deployed policy and its evaluation
@@ -623,15 +622,17 @@ def deploy(runs, step, obs, q_network, confidence, p, unit, levels, certs):
         sub, q_sub, confidence_sub = common.columns([runs.args[m] for m in members], *FLAGS), q_network.select(
             members), confidence.select(members)
         q_batch, pis = common.q_function(q_sub)(rows), {}
+        q_cv = common.control_variate(q_batch, cert)  # the members' fits at once
 
-        def pi_of(level: int, i: int) -> np.ndarray:  # every member's pi at a level, built when first asked for
-            if level not in pis:
-                pis[level] = policy_probs(rows, beta, q_sub, confidence_sub, sub, np.full_like(sub.pessimism, levels[
-                    level]), step, unit[members], q_batch, cert["log_beta"], cert["sqrt_beta"])
+        def pi_of(level: int, i: int) -> np.ndarray:  # every member's pi at a level, built when first asked for, in
+            if level not in pis:  # blocks of ~16k states (the same numbers; the temporaries stay in cache: ~2x)
+                pis[level] = common.in_blocks(lambda b: policy_probs(rows[:, b], beta[:, b], q_sub, confidence_sub, sub,
+                    np.full_like(sub.pessimism, levels[level]), step, unit[members], q_batch[:, b], cert["log_beta"][b],
+                    cert["sqrt_beta"][b]), len(cert["rows"]), 16384 // len(members))
             return pis[level][i]
 
         for i, m in enumerate(members):
-            level, certificates[m] = common.choose_level(lambda lv: pi_of(lv, i), len(levels), q_batch[i], cert, z)
+            level, certificates[m] = common.choose_level(lambda lv: pi_of(lv, i), len(levels), q_cv[i], cert, z)
             pessimism[m] = levels[level]
             deploy_pi[m] = not runs.args[m].safety_test or certificates[m].get("certified", 0.0) == 1.0
     return pessimism, deploy_pi, certificates

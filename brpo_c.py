@@ -35,8 +35,7 @@ import common
 from common import load_checkpoint
 
 
-# --sweep may vary these (and --learning-rate, --gamma, --tau, --target-update-frequency) between the members of one
-# process
+# --sweep may vary these (and --learning-rate, --gamma, --tau, --target-update-frequency) between members
 MEMBER_FLAGS = ("lam", "mu", "kappa_max", "kappa_decay", "kappa_scale", "pessimism")
 
 
@@ -135,8 +134,8 @@ def candidate_policy(beta, lam, w, temp, log_beta=None):
     beta = 0 gives rho = 0 exactly, huge advantages a one-hot rho, never inf/NaN. No gradient flows through rho."""
     w = np.clip(w, -W_CLAMP, W_CLAMP)
     logits = (log_probs(beta) if log_beta is None else log_beta) + lam * w / temp[..., None]
-    e = np.exp(logits - logits.max(-1, keepdims=True))
-    return e / e.sum(-1, keepdims=True)
+    e = np.exp(logits - common.row_max(logits, True))
+    return e / common.row_sum(e, True)
 
 
 def advantage_unit(q: torch.Tensor, q_max: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -166,13 +165,13 @@ def candidate(beta, lam_tilde, w, p, pessimism, n_updates, unit, log_beta=None, 
 def residual_policy(beta, rho, lam):
     """pi = (1 - lambda) beta + lambda rho (Sec. 2); the clamp and renormalisation only remove rounding."""
     pi = np.maximum(beta + lam * (rho - beta), 0.0)
-    return pi / pi.sum(-1, keepdims=True)
+    return pi / common.row_sum(pi, True)
 
 
 # ---- Critic (Algorithm 1, line 6)
 def mixed_value(q, beta, mu, q_max=None):
     """V(s) = (1-mu) E_beta Q(s, .) + mu max_a Q(s, a), for the TD target and for W = Q - V (mu: [M, 1])."""
-    return (1.0 - mu) * (beta * q).sum(-1) + mu * (q.max(-1) if q_max is None else q_max)
+    return (1.0 - mu) * common.row_sum(beta * q) + mu * (common.row_max(q) if q_max is None else q_max)
 
 
 # ---- The deployed policy and its evaluation
@@ -255,15 +254,17 @@ def deploy(runs, step, obs, q_network, confidence, p, unit, levels, certs):
         sub, q_sub, confidence_sub = common.columns([runs.args[m] for m in members], *FLAGS), q_network.select(
             members), confidence.select(members)
         q_batch, pis = common.q_function(q_sub)(rows), {}
+        q_cv = common.control_variate(q_batch, cert)  # the members' fits at once
 
-        def pi_of(level: int, i: int) -> np.ndarray:  # every member's pi at a level, built when first asked for
-            if level not in pis:
-                pis[level] = policy_probs(rows, beta, q_sub, confidence_sub, sub, np.full_like(sub.pessimism, levels[
-                    level]), step, unit[members], q_batch, cert["log_beta"], cert["sqrt_beta"])
+        def pi_of(level: int, i: int) -> np.ndarray:  # every member's pi at a level, built when first asked for, in
+            if level not in pis:  # blocks of ~16k states (the same numbers; the temporaries stay in cache: ~2x)
+                pis[level] = common.in_blocks(lambda b: policy_probs(rows[:, b], beta[:, b], q_sub, confidence_sub, sub,
+                    np.full_like(sub.pessimism, levels[level]), step, unit[members], q_batch[:, b], cert["log_beta"][b],
+                    cert["sqrt_beta"][b]), len(cert["rows"]), 16384 // len(members))
             return pis[level][i]
 
         for i, m in enumerate(members):
-            level, certificates[m] = common.choose_level(lambda lv: pi_of(lv, i), len(levels), q_batch[i], cert, z)
+            level, certificates[m] = common.choose_level(lambda lv: pi_of(lv, i), len(levels), q_cv[i], cert, z)
             pessimism[m] = levels[level]
             deploy_pi[m] = not runs.args[m].safety_test or certificates[m].get("certified", 0.0) == 1.0
     return pessimism, deploy_pi, certificates

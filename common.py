@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import io
 import itertools
 import json
@@ -680,6 +681,28 @@ def soft_update(step: int, target: Stack, online: Stack, period: torch.Tensor, t
             target.flat.lerp_(online.flat, tau * due)
 
 
+def row_sum(x, keepdims: bool = False):
+    """x.sum(-1) over a short last axis (the actions), the same numbers: numpy's reduction along a short contiguous
+    axis is 10-40x slower than |A| - 1 elementwise additions (docs/experiments/2026-11-25-fast-paths.md). numpy adds
+    fewer than 8 numbers in order, as this fold does; torch tensors and longer axes take the plain sum."""
+    if isinstance(x, torch.Tensor) or x.shape[-1] >= 8:
+        return x.sum(-1, keepdims=keepdims)
+    s = functools.reduce(np.add, [x[..., a] for a in range(x.shape[-1])])
+    return s[..., None] if keepdims else s
+
+
+def row_max(x: np.ndarray, keepdims: bool = False) -> np.ndarray:
+    """x.max(-1) over a short last axis, the same numbers (NaN propagates as in max), |A| - 1 elementwise maxima."""
+    s = functools.reduce(np.maximum, [x[..., a] for a in range(x.shape[-1])])
+    return s[..., None] if keepdims else s
+
+
+def in_blocks(f, n: int, size: int) -> np.ndarray:
+    """f over consecutive blocks of `size` (at least 1) of n states, f(slice) -> [M, block, ...], concatenated on axis 1."""
+    size = max(size, 1)
+    return np.concatenate([f(slice(i, i + size)) for i in range(0, n, size)], 1)
+
+
 def sample(pi: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Actions drawn from pi [..., E, |A|] by inverting its CDF at the uniforms u [E]: episode e of every member uses
     the same noise, so a member's evaluation does not depend on which other members share the process."""
@@ -1050,10 +1073,11 @@ class Members:
         elif not all("certificate" in row for row in rows):
             pi, c = probs(self.cert_obs, self.cert["beta"]), self.cert
             critic = q(self.cert_obs) if q else np.broadcast_to(c["q_b"], pi.shape)
-            z = statistics.NormalDist().inv_cdf(getattr(self.first, "certificate_confidence", 0.95))
+            z, q_cv = statistics.NormalDist().inv_cdf(getattr(self.first, "certificate_confidence", 0.95)), control_variate(
+                critic, c)
             for m, row in enumerate(rows):
                 if self.alive[m]:
-                    row.update(**improvement_certificate(pi[m], critic[m], c, z), tv_to_beta=tv_to_beta(pi[m], c["beta"]))
+                    row.update(**improvement_certificate(pi[m], None, c, z, q_cv[m]), tv_to_beta=tv_to_beta(pi[m], c["beta"]))
         self.block_start, self.paused = time.perf_counter(), False
         self.eval_time += self.block_start - self.now
         key, sps = "return_mean" if self.simulator else "certificate", step / self.train_time
@@ -1206,23 +1230,31 @@ def certificate_data(data: dict, beta: np.ndarray, gamma: float, behavior: Behav
 
 def tv_to_beta(pi: np.ndarray, beta: np.ndarray) -> float:
     """Mean total-variation distance of pi to beta over the rows' states (Theorem 2's L'' is twice this)."""
-    return float(0.5 * np.abs(pi - beta).sum(1).mean())
+    return float(0.5 * row_sum(np.abs(pi - beta)).mean())
 
 
 def control_variate(q: np.ndarray, cert: dict) -> np.ndarray:
-    """q_cv(s_t, .) [N, |A|] of the certificate's rows: an affine function of q(s, a) (a critic's action values, or
-    the behaviour network's), E_beta q, max q, E_beta Q_b and max Q_b, fitted to the logged returns of the other half
-    of the episodes (cross-fitting keeps the certificate unbiased). It depends on q, not on pi: one fit serves every
-    policy compared on the same critic."""
-    beta, taken, fold = cert["beta"], cert["actions"], cert["episode"] % 2
-    state = np.concatenate([cert["state_features"], (beta * q).sum(-1)[:, None], q.max(-1)[:, None]], 1)
-    q_cv = np.zeros_like(q, dtype=np.float64)
+    """q_cv(s_t, .) [..., N, |A|] of the certificate's rows: an affine function of q(s, a) (a critic's action values
+    [..., N, |A|], one leading index per member, or the behaviour network's), E_beta q, max q, E_beta Q_b and max Q_b,
+    fitted to the logged returns of the other half of the episodes (cross-fitting keeps the certificate unbiased).
+    It depends on q, not on pi: one fit serves every policy compared on the same critic. The members' least-squares
+    fits are one batched SVD solve (a member's fit is the same alone as among others)."""
+    fold, lead, n = cert["episode"] % 2, q.shape[:-2], q.shape[-2]
+    x = np.concatenate([np.broadcast_to(cert["state_features"], (*lead, n, 3)), np.stack([  # 1, E_beta Q_b, max Q_b,
+        np.einsum("...na,na->...n", q, cert["beta"]), np.maximum.reduce(np.moveaxis(q, -1, 0)),  # E_beta q, max q,
+        q[..., np.arange(n), cert["actions"]]], -1)], -1)  # q(s_t, a_t): [..., N, 6]
+    q_cv = np.full(q.shape, np.nan)
     for f in (0, 1):  # both halves hold >= 1 episode: n_episodes >= 2
-        fit, use = fold != f, fold == f
-        x_fit = np.concatenate([state[fit], q[fit, taken[fit]][:, None]], 1)
-        coef = np.linalg.lstsq(x_fit, cert["returns"][fit], rcond=None)[0]
+        fit, use = np.flatnonzero(fold != f), np.flatnonzero(fold == f)
+        x_fit = np.take(x, fit, -2)
+        ok = np.isfinite(x_fit).all((-2, -1))  # a diverged member's critic (dropped at evaluation): NaN, not an error
+        coef = np.full((*lead, 6), np.nan)
+        if ok.any():
+            y = torch.from_numpy(cert["returns"][fit]).expand(int(ok.sum()), -1)[..., None].contiguous()
+            coef[ok] = torch.linalg.lstsq(torch.from_numpy(x_fit[ok]), y, driver="gelss").solution.numpy()[..., 0]
         # in sum_a (pi - beta) q_cv the state-only terms cancel: the direct term carries q(s, a) only
-        q_cv[use] = (state[use] @ coef[:-1])[:, None] + coef[-1] * q[use]
+        state = np.einsum("...nk,...k->...n", np.take(x, use, -2)[..., :5], coef[..., :5], optimize=True)
+        q_cv[..., use, :] = state[..., None] + coef[..., 5:6, None] * np.take(q, use, -2)
     return q_cv
 
 
@@ -1233,7 +1265,7 @@ def improvement_certificate(pi: np.ndarray, q: np.ndarray, cert: dict, z: float,
     Returns g, its standard error over episodes, the one-sided lower bound g - z se and whether it is > 0."""
     q_cv = control_variate(q, cert) if q_cv is None else q_cv
     rows, taken = np.arange(len(cert["actions"])), cert["actions"]
-    direct = ((pi - cert["beta"]) * q_cv).sum(-1)
+    direct = row_sum((pi - cert["beta"]) * q_cv)
     weight = pi[rows, taken] / cert["beta_taken"] - 1.0  # beta(a_t|s_t) > 0 (certificate_data)
     per_step = direct + weight * (cert["returns"] - q_cv[rows, taken])
     per_episode = np.bincount(cert["episode"], weights=per_step, minlength=cert["n_episodes"])
@@ -1267,17 +1299,17 @@ def report_certificate(c: dict, n_episodes: int, args: DeployArgs, deploy_pi: bo
               "deployed: " + (f"pi, pessimism {pessimism:g}" if deploy_pi else "beta (the safety test)"))
 
 
-def choose_level(pi_of, n_levels: int, q: np.ndarray, cert: dict, z: float) -> tuple[int, dict]:
+def choose_level(pi_of, n_levels: int, q_cv: np.ndarray, cert: dict, z: float) -> tuple[int, dict]:
     """BRPO's deployed level (departure 11 in docs/brpo.md), from pi rebuilt with each --deploy-pessimism level
     (pi_of(i), asked for only as needed): pi as trained (the first) while the batch certifies it, else the certified
     level with the highest lower bound, else the level nearest beta (what remains of Theorem 2's penalty when no gain
-    is shown). Returns the level and its certificate."""
-    pis, q_cv = [pi_of(0)], control_variate(q, cert)
-    options = [improvement_certificate(pis[0], q, cert, z, q_cv)]
+    is shown). q_cv: control_variate(q, cert) of the critic q. Returns the level and its certificate."""
+    pis = [pi_of(0)]
+    options = [improvement_certificate(pis[0], None, cert, z, q_cv)]
     if options[0]["certified"]:
         return 0, {**options[0], "tv_to_beta": tv_to_beta(pis[0], cert["beta"])}
     pis += [pi_of(i) for i in range(1, n_levels)]
-    options += [improvement_certificate(pi, q, cert, z, q_cv) for pi in pis[1:]]
+    options += [improvement_certificate(pi, None, cert, z, q_cv) for pi in pis[1:]]
     distance = [tv_to_beta(pi, cert["beta"]) for pi in pis]
     certified = [i for i, o in enumerate(options) if o["certified"]]
     if certified:

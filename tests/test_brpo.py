@@ -723,6 +723,9 @@ def test_residual_policy_is_distribution_anywhere(brpo, epsilon):
     for n_updates, unit in ((0, 1.0), (10_000, 1e-3), (10_000, 0.0)):  # unit 0: a constant critic's gap
         pi = torch.from_numpy(brpo.policy_probs(obs[None], beta.numpy()[None], q_network, confidence, p, p.pessimism,
                                                 n_updates, np.array([unit]))[0])
+        # the deployment builds pi on the batch in blocks of states: the same numbers as in one pass
+        assert np.array_equal(common.in_blocks(lambda b: brpo.policy_probs(obs[None, b], beta.numpy()[None, b], q_network,
+                              confidence, p, p.pessimism, n_updates, np.array([unit])), len(obs), 37), pi[None].numpy())
         with torch.no_grad():  # pi's parts, as policy_probs builds them
             q = q_net(obs).double().numpy()
             w = q - brpo.mixed_value(q, beta.numpy(), args.mu)[:, None]
@@ -994,6 +997,45 @@ def test_certificate_is_unbiased_and_decides():
         assert same["certificate"] == 0.0 and same["certified"] == 0.0, name
         found[name] = better["certificate_se"]
     assert found["good"] < 0.5 * found["useless"]  # a critic that knows the action gap shrinks the error
+
+
+def test_control_variate_batched_over_members():
+    """control_variate fits every member's critic in one batched solve: each member's q_cv is bit for bit its fit
+    alone, equals numpy's per-member least squares (the fit it replaced) to rounding, and a diverged member's NaN
+    critic gives NaN for that member only instead of stopping the process."""
+    rng = np.random.default_rng(3)
+    data, beta = logged_batch(rng, episodes=60, length=8, epsilon=0.3, reward_of_action=[1.0, 0.0], noise=0.5)
+    cert, _ = common.certificate_data(data, beta, 0.9, behavior_of(common, data))
+    n = len(cert["rows"])
+    q = rng.normal(size=(4, n, 2)) + cert["returns"][:, None]
+    together = common.control_variate(q, cert)
+    assert together.shape == q.shape
+    for m in range(4):
+        assert np.array_equal(together[m], common.control_variate(q[m], cert))
+        fold, x_state = cert["episode"] % 2, np.concatenate([cert["state_features"], (cert["beta"] * q[m]).sum(1)[:, None],
+                                                             q[m].max(1)[:, None]], 1)
+        for f in (0, 1):
+            fit, use = fold != f, fold == f
+            x = np.concatenate([x_state[fit], q[m][fit, cert["actions"][fit]][:, None]], 1)
+            coef = np.linalg.lstsq(x, cert["returns"][fit], rcond=None)[0]
+            np.testing.assert_allclose(together[m][use], (x_state[use] @ coef[:-1])[:, None] + coef[-1] * q[m][use],
+                                       rtol=1e-9, atol=1e-9)
+    q[2, 3, 1] = np.nan
+    with_nan = common.control_variate(q, cert)
+    assert np.isnan(with_nan[2]).any() and np.array_equal(with_nan[[0, 1, 3]], together[[0, 1, 3]])
+
+
+@pytest.mark.parametrize("n_actions", [1, 2, 3, 4, 7, 8, 11])
+def test_row_reductions_are_numpys(n_actions):
+    """row_sum and row_max (the per-action reductions of the deployment's 2.5M states) give numpy's numbers bit for
+    bit, NaN included, with and without keepdims, on contiguous and strided arrays."""
+    rng = np.random.default_rng(n_actions)
+    x = rng.normal(size=(5, 301, n_actions)) * 10.0 ** rng.integers(-12, 12, size=(5, 301, n_actions))
+    x[0, 0, 0] = np.nan
+    for a in (x, x[:, ::3], np.asfortranarray(x)):
+        for keep in (False, True):
+            assert np.array_equal(common.row_sum(a, keep), a.sum(-1, keepdims=keep), equal_nan=True)
+            assert np.array_equal(common.row_max(a, keep), a.max(-1, keepdims=keep), equal_nan=True)
 
 
 def test_certificate_refuses_batches_without_returns():
