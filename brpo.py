@@ -156,9 +156,8 @@ def candidate_policy(beta, lam, w, temp, log_beta=None):
 
 
 def advantage_unit(q: torch.Tensor, q_max: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Departure 5: the mean action gap max_a Q - min_a Q over a batch [M, B, |A|], per member, the unit in which the
-    relative softmax measures W, so that one temperature means the same on every task (the paper's lambda W carries
-    reward units)."""
+    """Departure 5: the mean action gap max_a Q - min_a Q over a batch [M, B, |A|], per member: the relative softmax's
+    unit of W, so that one temperature means the same on every task (the paper's lambda W carries reward units)."""
     return ((q.amax(-1) if q_max is None else q_max) - q.amin(-1)).mean(-1)
 
 
@@ -621,14 +620,15 @@ def deploy(runs, step, obs, q_network, confidence, p, unit, levels, certs):
         rows, beta = rows.expand(len(members), *rows.shape), np.broadcast_to(cert["beta"], (len(members), *cert["beta"].shape))
         sub, q_sub, confidence_sub = common.columns([runs.args[m] for m in members], *FLAGS), q_network.select(
             members), confidence.select(members)
-        q_batch, pis = common.q_function(q_sub)(rows), {}
+        blocks = lambda f: common.in_blocks(f, len(cert["rows"]), 16384 // len(members))  # noqa: E731  (~16k states)
+        q_batch, pis = blocks(lambda b: common.q_function(q_sub)(rows[:, b])), {}
         q_cv = common.control_variate(q_batch, cert)  # the members' fits at once
 
-        def pi_of(level: int, i: int) -> np.ndarray:  # every member's pi at a level, built when first asked for, in
-            if level not in pis:  # blocks of ~16k states (the same numbers; the temporaries stay in cache: ~2x)
-                pis[level] = common.in_blocks(lambda b: policy_probs(rows[:, b], beta[:, b], q_sub, confidence_sub, sub,
+        def pi_of(level: int, i: int) -> np.ndarray:  # every member's pi at a level, built when first asked for
+            if level not in pis:
+                pis[level] = blocks(lambda b: policy_probs(rows[:, b], beta[:, b], q_sub, confidence_sub, sub,
                     np.full_like(sub.pessimism, levels[level]), step, unit[members], q_batch[:, b], cert["log_beta"][b],
-                    cert["sqrt_beta"][b]), len(cert["rows"]), 16384 // len(members))
+                    cert["sqrt_beta"][b]))
             return pis[level][i]
 
         for i, m in enumerate(members):

