@@ -698,8 +698,9 @@ def row_max(x: np.ndarray, keepdims: bool = False) -> np.ndarray:
 
 
 def in_blocks(f, n: int, size: int) -> np.ndarray:
-    """f over consecutive blocks of `size` (at least 1) of n states, f(slice) -> [M, block, ...], concatenated on axis 1:
-    the same numbers as f on all n at once, with the temporaries in cache (~2x on the certificate's 2.5M states)."""
+    """f over consecutive blocks of `size` (at least 1) of n states, f(slice) -> [M, block, ...], concatenated on
+    axis 1: the same numbers as f on all n at once, with the temporaries in cache (~2x on the certificate's 2.5M
+    states)."""
     size = max(size, 1)
     return np.concatenate([f(slice(i, i + size)) for i in range(0, n, size)], 1)
 
@@ -1074,11 +1075,12 @@ class Members:
         elif not all("certificate" in row for row in rows):
             pi, c = probs(self.cert_obs, self.cert["beta"]), self.cert
             critic = q(self.cert_obs) if q else np.broadcast_to(c["q_b"], pi.shape)
-            z, q_cv = statistics.NormalDist().inv_cdf(getattr(self.first, "certificate_confidence", 0.95)), control_variate(
-                critic, c)
+            z = statistics.NormalDist().inv_cdf(getattr(self.first, "certificate_confidence", 0.95))
+            q_cv = control_variate(critic, c)  # every member's fit at once
             for m, row in enumerate(rows):
                 if self.alive[m]:
-                    row.update(**improvement_certificate(pi[m], None, c, z, q_cv[m]), tv_to_beta=tv_to_beta(pi[m], c["beta"]))
+                    row.update(**improvement_certificate(pi[m], None, c, z, q_cv[m]),
+                               tv_to_beta=tv_to_beta(pi[m], c["beta"]))
         self.block_start, self.paused = time.perf_counter(), False
         self.eval_time += self.block_start - self.now
         key, sps = "return_mean" if self.simulator else "certificate", step / self.train_time
