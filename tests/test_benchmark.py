@@ -622,7 +622,6 @@ def test_aggregate_selection_seeds_fresh_seeds_and_selected_cells(repo, tmp_path
     text, fresh = (rep / "table1.md").read_text(), (rep / "fresh_seeds.md").read_text()
     assert table_row(text, "CartPole-v1-0.25")[:2] == ["61.5 ± 0.7 (paper 368.5)", "31.5 ± 0.7 (paper 405.1)"]
     assert table_row(fresh, "CartPole-v1-0.25")[:2] == ["66.0 n=1/2 (paper 368.5)", "26.5 ± 0.7 (paper 405.1)"]
-
     assert "seeds = 1, 2 " in text and "seeds = 6, 7 " in fresh and "## Selected hyperparameters" not in fresh
     section = text.split("## Selection and fresh seeds")[1].split("\n## ")[0]
     norm = lambda x: (x - 50.0) / (500.0 - 50.0)  # noqa: E731
