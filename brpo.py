@@ -20,6 +20,7 @@ departures from the paper are marked "Departure N" below and explained in docs/b
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import signal
@@ -497,19 +498,18 @@ def project_confidence(lam_tilde: np.ndarray, d: np.ndarray) -> np.ndarray:
                                for i in range(0, len(d), PROJECT_BLOCK)])
     d = np.where(np.abs(d) > D_ZERO, d, 0.0)
     if d.shape[1] == 2:  # d = (delta, -delta): Lambda(s) is the diagonal, the projection is the clip of the mean
-        return np.where((d != 0).any(1, keepdims=True), np.clip(lam_tilde.mean(1, keepdims=True), 0.0, 1.0),
+        return np.where((d[:, :1] != 0) | (d[:, 1:] != 0), np.clip((lam_tilde[:, :1] + lam_tilde[:, 1:]) / 2, 0.0, 1.0),
                         np.clip(lam_tilde, 0.0, 1.0)) * np.ones_like(lam_tilde)
     nz = d != 0
     safe_d = np.where(nz, d, 1.0)
     # a spurious breakpoint at 0 for d_j = 0 is harmless: g is piecewise linear between any superset of breakpoints
     bp = np.sort(np.concatenate([np.where(nz, lam_tilde / safe_d, 0.0), np.where(nz, (lam_tilde - 1.0) / safe_d, 0.0)],
-                                -1), -1)
-    g = common.row_sum(np.clip(lam_tilde[:, None, :] - bp[:, :, None] * d[:, None, :], 0.0, 1.0) * d[:, None, :])
-    k = np.clip((g > 0).sum(-1) - 1, 0, bp.shape[-1] - 2)
-    rows = np.arange(bp.shape[0])
-    b0, b1, g0, g1 = bp[rows, k], bp[rows, k + 1], g[rows, k], g[rows, k + 1]
-    den = g0 - g1
-    frac = np.where(den > 0, g0 / np.where(den > 0, den, 1.0), 0.0)
+                                -1), -1).T  # [2 |A|, N]: action-major, every step elementwise over the states
+    g = functools.reduce(np.add, [np.clip(lt - bp * dj, 0.0, 1.0) * dj for lt, dj in zip(lam_tilde.T, d.T)])
+    k = np.clip((g > 0).sum(0) - 1, 0, len(bp) - 2)
+    rows = np.arange(bp.shape[1])
+    b0, b1, g0, g1 = bp[k, rows], bp[k + 1, rows], g[k, rows], g[k + 1, rows]
+    frac = np.where(g0 > g1, g0 / np.where(g0 > g1, g0 - g1, 1.0), 0.0)
     nu = np.where(nz.any(-1), b0 + np.clip(frac, 0.0, 1.0) * (b1 - b0), 0.0)
     return np.clip(lam_tilde - nu[:, None] * d, 0.0, 1.0)
 

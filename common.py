@@ -726,13 +726,16 @@ class AcrobotVector:
         s = self.state
         return np.stack([np.cos(s[0]), np.sin(s[0]), np.cos(s[1]), np.sin(s[1]), s[2], s[3]], 1).astype(np.float32)
 
-    def step(self, actions: np.ndarray):
-        env, zeros = self.env, np.zeros(self.state.shape[1])
+    def step(self, actions: np.ndarray, active: Optional[np.ndarray] = None):
+        """active: the episodes still running (default all); the others' states stay as they are (each episode is
+        integrated on its own, so stepping fewer changes none of the numbers)."""
+        env, cols = self.env, slice(None) if active is None or active.all() else np.flatnonzero(active)
+        state, zeros = self.state[:, cols], np.zeros(self.state[:, cols].shape[1])
 
         def derivs(y):  # AcrobotEnv._dsdt returns the torque's derivative as the scalar 0.0
             return np.stack([*env._dsdt(y)[:4], zeros])
 
-        y0 = np.concatenate([self.state, np.asarray(env.AVAIL_TORQUE, dtype=np.float64)[actions][None]])
+        y0 = np.concatenate([state, np.asarray(env.AVAIL_TORQUE, dtype=np.float64)[actions[cols]][None]])
         dt = env.dt
         k1 = derivs(y0)
         k2 = derivs(y0 + dt / 2.0 * k1)
@@ -744,8 +747,9 @@ class AcrobotVector:
                 ns[i] = np.where(ns[i] > np.pi, ns[i] - 2 * np.pi, np.where(ns[i] < -np.pi, ns[i] + 2 * np.pi, ns[i]))
         ns[2] = np.minimum(np.maximum(ns[2], -env.MAX_VEL_1), env.MAX_VEL_1)
         ns[3] = np.minimum(np.maximum(ns[3], -env.MAX_VEL_2), env.MAX_VEL_2)
-        self.state, self.steps = ns, self.steps + 1
-        terminated = -np.cos(ns[0]) - np.cos(ns[1] + ns[0]) > 1.0
+        self.state[:, cols], self.steps = ns, self.steps + 1
+        s = self.state
+        terminated = -np.cos(s[0]) - np.cos(s[1] + s[0]) > 1.0
         return self.obs(), np.where(terminated, 0.0, -1.0), terminated, np.full_like(terminated, self.steps >= self.limit)
 
 
@@ -878,7 +882,7 @@ class Simulators:
             with torch.no_grad():
                 actions = act(torch.from_numpy(obs).view(self.copies, self.episodes, -1), u).reshape(-1).numpy()
             if self.vector or self.acrobot:
-                obs, reward, term, trunc = (venv if self.acrobot else self.venv).step(actions)[:4]
+                obs, reward, term, trunc = (venv.step(actions, active) if self.acrobot else self.venv.step(actions))[:4]
                 returns += reward * active
                 active &= ~(term | trunc)
             elif self.lunar:
@@ -1241,23 +1245,28 @@ def control_variate(q: np.ndarray, cert: dict) -> np.ndarray:
     [..., N, |A|], one leading index per member, or the behaviour network's), E_beta q, max q, E_beta Q_b and max Q_b,
     fitted to the logged returns of the other half of the episodes (cross-fitting keeps the certificate unbiased).
     It depends on q, not on pi: one fit serves every policy compared on the same critic. The members' least-squares
-    fits are one batched SVD solve (a member's fit is the same alone as among others)."""
-    fold, lead, n = cert["episode"] % 2, q.shape[:-2], q.shape[-2]
-    x = np.concatenate([np.broadcast_to(cert["state_features"], (*lead, n, 3)), np.stack([  # 1, E_beta Q_b, max Q_b,
-        np.einsum("...na,na->...n", q, cert["beta"]), np.maximum.reduce(np.moveaxis(q, -1, 0)),  # E_beta q, max q,
-        q[..., np.arange(n), cert["actions"]]], -1)], -1)  # q(s_t, a_t): [..., N, 6]
+    fits are one batched SVD solve; every other step is elementwise, so a member's fit is the same alone as among
+    others."""
+    fold, lead, state_features = cert["episode"] % 2, q.shape[:-2], cert["state_features"]  # 1, E_beta Q_b, max Q_b
+    member = [row_sum(q * cert["beta"]), row_max(q), q[..., np.arange(q.shape[-2]), cert["actions"]]]  # E_beta q,
+    ok = np.isfinite(q.reshape(*lead, -1)).all(-1)  # max q, q(s_t, a_t); ok: False for a diverged member's critic
     q_cv = np.full(q.shape, np.nan)
     for f in (0, 1):  # both halves hold >= 1 episode: n_episodes >= 2
         fit, use = np.flatnonzero(fold != f), np.flatnonzero(fold == f)
-        x_fit = np.take(x, fit, -2)
-        ok = np.isfinite(x_fit).all((-2, -1))  # a diverged member's critic (dropped at evaluation): NaN, not an error
-        coef = np.full((*lead, 6), np.nan)
+        x = np.empty((*lead, 6, len(fit)))  # the design matrix, transposed: column-major, as LAPACK takes it
+        x[..., :3, :] = state_features[fit].T
+        for k, feature in enumerate(member):
+            x[..., 3 + k, :] = feature[..., fit]
+        coef = np.full((*lead, 6), np.nan)  # a diverged member's fit: NaN, not an error
         if ok.any():
             y = torch.from_numpy(cert["returns"][fit]).expand(int(ok.sum()), -1)[..., None].contiguous()
-            coef[ok] = torch.linalg.lstsq(torch.from_numpy(x_fit[ok]), y, driver="gelss").solution.numpy()[..., 0]
+            coef[ok] = torch.linalg.lstsq(torch.from_numpy(x if ok.all() else x[ok]).reshape(-1, 6, len(fit)).mT, y,
+                                          driver="gelss").solution.numpy()[..., 0]
         # in sum_a (pi - beta) q_cv the state-only terms cancel: the direct term carries q(s, a) only
-        state = np.einsum("...nk,...k->...n", np.take(x, use, -2)[..., :5], coef[..., :5], optimize=True)
-        q_cv[..., use, :] = state[..., None] + coef[..., 5:6, None] * np.take(q, use, -2)
+        c, s = coef[..., None, :], state_features[use].T
+        state = c[..., 0] * s[0] + c[..., 1] * s[1] + c[..., 2] * s[2] + c[..., 3] * member[0][..., use] + c[
+            ..., 4] * member[1][..., use]
+        q_cv[..., use, :] = state[..., None] + c[..., 5, None] * np.take(q, use, -2)
     return q_cv
 
 

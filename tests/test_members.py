@@ -183,7 +183,8 @@ def test_batched_evaluation_scores_what_one_simulator_per_episode_scores(env_id)
 
 def test_acrobot_on_arrays_is_gymnasiums_acrobot():
     """AcrobotVector follows n gymnasium Acrobot-v1 environments bit for bit: observations, rewards, terminations,
-    under a policy that swings up (most episodes end before the 500-step limit) and one that does not."""
+    under a policy that swings up (most episodes end before the 500-step limit; the ended ones are not stepped) and
+    one that does not."""
     n = 30
     envs = [gym.make("Acrobot-v1") for _ in range(n)]
     starts = []
@@ -197,7 +198,7 @@ def test_acrobot_on_arrays_is_gymnasiums_acrobot():
         obs, active, ended = vec.obs(), np.ones(n, bool), 0
         while active.any():
             actions = np.where(obs[:, 5] > 0, 2, 0) if swing else np.ones(n, dtype=np.int64)
-            obs, reward, term, trunc = vec.step(actions)
+            obs, reward, term, trunc = vec.step(actions, active.copy() if swing else None)  # ended: not stepped
             for j in np.flatnonzero(active):
                 o, r, t, tr, _ = envs[j].step(int(actions[j]))
                 assert np.array_equal(o, obs[j]) and r == reward[j] and t == term[j] and tr == trunc[j], (swing, j)
