@@ -268,6 +268,7 @@ class CellResult:
     algo: str
     configs: list[Config]
     selected: Config | None = None
+    ties: int = 0  # other configurations with the selected one's mean (over as many seeds)
 
 
 def group_cells(runs: list[Run]) -> tuple[dict[tuple[str, float, str], CellResult], list[str]]:
@@ -287,10 +288,12 @@ def group_cells(runs: list[Run]) -> tuple[dict[tuple[str, float, str], CellResul
         configs = [Config(g, sorted(seeds.values(), key=lambda r: r.seed)) for g, seeds in sorted(groups.items())]
         label_configs(configs)
         # best configuration = highest mean final score among those with the most seeds (as in the paper,
-        # but a config with fewer finished seeds is not preferred over complete ones)
+        # but a config with fewer finished seeds is not preferred over complete ones); a tie goes to the first in
+        # name order (configs is sorted) and is reported
         most = max(c.n for c in configs)
-        selected = max((c for c in configs if c.n == most), key=lambda c: c.stats[0])
-        cells[(env, eps, algo)] = CellResult(env, eps, algo, configs, selected)
+        best = max(c.stats[0] for c in configs if c.n == most)
+        tied = [c for c in configs if c.n == most and c.stats[0] == best]
+        cells[(env, eps, algo)] = CellResult(env, eps, algo, configs, tied[0], len(tied) - 1)
     return cells, warnings
 
 
@@ -455,12 +458,15 @@ def build_report(root: Path, runs: list[Run], skipped, expected_seeds: int | Non
     if swept:
         body += ["", "## Selected hyperparameters", "",
                  "Several configurations were found for these cells; the table reports the one with the highest "
-                 "mean final score (among the configurations with the most finished seeds), as the paper did.", "",
+                 "mean final score (among the configurations with the most finished seeds), as the paper did. "
+                 "Configurations with exactly that mean (often identical runs) are a tie, resolved by taking the "
+                 "first in name order and marked `(tie: k others)`.", "",
                  "| Task-ε | Algorithm | Selected | Mean | Configurations compared |", "|---|---|---|---|---|"]
         for c in sorted(swept, key=lambda c: (row_key(c.env_id, c.epsilon), ALGO_ORDER.index(c.algo))):
             others = "; ".join(f"{o.label}: {fmt_num(o.stats[0])} (n={o.n})"
                                for o in sorted(c.configs, key=lambda o: -o.stats[0]))
-            body.append(f"| {c.env_id}-{c.epsilon:.2f} | {LABELS[c.algo]} | {c.selected.label} | "
+            tie = f" (tie: {c.ties} other{'s' * (c.ties > 1)})" if c.ties else ""
+            body.append(f"| {c.env_id}-{c.epsilon:.2f} | {LABELS[c.algo]} | {c.selected.label}{tie} | "
                         f"{fmt_num(c.selected.stats[0])} | {len(c.configs)}: {others} |")
 
     # summary ----------------------------------------------------------------------------------

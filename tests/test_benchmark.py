@@ -580,7 +580,7 @@ def test_aggregate_table_stats_top2_missing(tmp_path, capsys):
 
 def test_aggregate_selects_best_config_and_says_so(tmp_path):
     res = tmp_path / "res"
-    for lam, base in ((0.25, 10.0), (0.5, 30.0), (0.75, 20.0)):
+    for lam, base in ((0.25, 10.0), (0.5, 30.0), (0.66, 30.0), (0.75, 20.0)):  # 0.5 and 0.66 tie
         for seed in (1, 2):
             write_result(res, "CartPole-v1", 0.25, "brpo_c", seed, base + seed, config=f"brpo_c__lam={lam}",
                          hparams={"lam": lam})
@@ -591,7 +591,7 @@ def test_aggregate_selects_best_config_and_says_so(tmp_path):
     assert aggregate.main([str(res), "--out", str(tmp_path / "rep"), "--no-plots"]) == 0
     text = (tmp_path / "rep" / "table1.md").read_text()
     assert "31.5 ± 0.7" in table_row(text, "CartPole-v1-0.25")[1]
-    assert "| CartPole-v1-0.25 | BRPO-C | lam=0.5 | 31.5 | 4:" in text
+    assert "| CartPole-v1-0.25 | BRPO-C | lam=0.5 (tie: 1 other) | 31.5 | 5:" in text  # the first in name order
     rows = list(csv.DictReader(open(tmp_path / "rep" / "configs.csv")))
     selected = [r for r in rows if r["selected"] == "1"]
     assert {(r["algorithm"], r["config"]) for r in selected} == {("BRPO-C", "lam=0.5"), ("DQN", "default")}
