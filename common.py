@@ -945,13 +945,23 @@ def columns(runs: list, *names: str) -> SimpleNamespace:
 
 
 class MemberBehavior:
-    """Member m's behaviour policy at its own states: obs [M, N, dim] -> beta [M, N, |A|] float64 (one forward per
-    distinct dataset)."""
+    """Member m's behaviour policy at its own states: obs [M, N, dim] -> beta [M, N, |A|] float64. When every member's
+    beta is epsilon-greedy on one behaviour network (a task's datasets differ only in epsilon), one forward serves
+    all members and each applies its own epsilon (the same operations as BehaviorPolicy); else one forward per
+    distinct dataset."""
 
     def __init__(self, policies: list, keys: list):
         self.policies, self.keys = policies, keys
+        first = policies[0].layers
+        self.shared = all(p.kind == "epsilon_greedy" and all(torch.equal(w, v) and torch.equal(b, c) for (w, b), (v, c)
+                                                             in zip(p.layers, first)) for p in policies)
+        self.epsilon = torch.tensor([p.epsilon for p in policies], dtype=torch.float64)[:, None, None]
 
     def __call__(self, obs: torch.Tensor) -> torch.Tensor:
+        if self.shared:
+            h = self.policies[0].q_values(obs.reshape(-1, obs.shape[-1])).view(*obs.shape[:-1], -1)
+            low = self.epsilon / h.shape[-1]  # eps/|A|, and eps/|A| + (1 - eps) for argmax Q_b (its first index on ties)
+            return torch.where(h.argmax(-1, keepdim=True) == torch.arange(h.shape[-1]), low + (1.0 - self.epsilon), low)
         out, done = [None] * len(self.keys), {}
         for m, key in enumerate(self.keys):
             if key not in done:

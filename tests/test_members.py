@@ -181,6 +181,23 @@ def test_batched_evaluation_scores_what_one_simulator_per_episode_scores(env_id)
             assert got[m, i] == total, (m, i)
 
 
+def test_member_behavior_is_each_members_behavior_policy():
+    """MemberBehavior gives each member its own beta: with one forward for all members when their epsilon-greedy
+    betas share a network (a task's datasets), with one per dataset otherwise (a softmax beta among them)."""
+    g = torch.Generator().manual_seed(5)
+    net = {f"w{i}": torch.randn(o, n, generator=g, dtype=torch.float64) for i, (n, o) in enumerate([(4, 8), (8, 8), (8, 3)])}
+    net.update({f"b{i}": torch.randn(o, generator=g, dtype=torch.float64) for i, o in enumerate([8, 8, 3])})
+    obs = torch.randn(6, 50, 4, generator=g)
+    greedy = [common.BehaviorPolicy(net, eps) for eps in (0.05, 0.05, 0.3, 0.3, 1.0, 0.0)]
+    for policies in (greedy, greedy[:5] + [common.BehaviorPolicy(net, 0.0, "softmax", 0.7, 0.01)]):
+        beta = common.MemberBehavior(policies, [p.epsilon for p in policies])
+        assert beta.shared == (policies is greedy)
+        got = beta(obs)
+        assert got.dtype == torch.float64
+        for m, p in enumerate(policies):
+            assert torch.equal(got[m], p(obs[m])), m
+
+
 def test_acrobot_on_arrays_is_gymnasiums_acrobot():
     """AcrobotVector follows n gymnasium Acrobot-v1 environments bit for bit: observations, rewards, terminations,
     under a policy that swings up (most episodes end before the 500-step limit; the ended ones are not stepped) and
