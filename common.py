@@ -225,9 +225,14 @@ class BehaviorPolicy:
         h = self.q_values(obs)
         if self.kind == "softmax":
             return self.floor + (1.0 - h.shape[1] * self.floor) * torch.softmax(h / self.temperature, 1)
-        probs = torch.full_like(h, self.epsilon / h.shape[1])
-        probs[torch.arange(h.shape[0]), h.argmax(1)] += 1.0 - self.epsilon  # first index on ties
-        return probs
+        return epsilon_greedy(h, torch.tensor(self.epsilon, dtype=torch.float64))
+
+
+def epsilon_greedy(h: torch.Tensor, epsilon: torch.Tensor) -> torch.Tensor:
+    """(1 - eps) 1[a = argmax_a h] + eps / |A| (the first index on ties) from action values h [..., |A|] float64;
+    epsilon broadcasts against h (one per member in MemberBehavior)."""
+    low = epsilon / h.shape[-1]
+    return torch.where(h.argmax(-1, keepdim=True) == torch.arange(h.shape[-1]), low + (1.0 - epsilon), low)
 
 
 BEHAVIOR_KINDS = ("epsilon_greedy", "softmax")
@@ -975,9 +980,8 @@ class MemberBehavior:
 
     def __call__(self, obs: torch.Tensor) -> torch.Tensor:
         if self.shared:
-            h = self.policies[0].q_values(obs.reshape(-1, obs.shape[-1])).view(*obs.shape[:-1], -1)
-            low = self.epsilon / h.shape[-1]  # eps/|A|, and eps/|A| + (1 - eps) for argmax Q_b (its first index on ties)
-            return torch.where(h.argmax(-1, keepdim=True) == torch.arange(h.shape[-1]), low + (1.0 - self.epsilon), low)
+            return epsilon_greedy(self.policies[0].q_values(obs.reshape(-1, obs.shape[-1])).view(*obs.shape[:-1], -1),
+                                  self.epsilon)
         out, done = [None] * len(self.keys), {}
         for m, key in enumerate(self.keys):
             if key not in done:
