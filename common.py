@@ -212,6 +212,7 @@ class BehaviorPolicy:
         self.layers = [(torch.as_tensor(weights[f"w{i}"], dtype=torch.float64),
                         torch.as_tensor(weights[f"b{i}"], dtype=torch.float64)) for i in range(3)]
         self.epsilon, self.kind, self.temperature, self.floor = float(epsilon), kind, float(temperature), float(floor)
+        self.epsilon_t = torch.tensor(self.epsilon, dtype=torch.float64)
 
     def q_values(self, obs: torch.Tensor) -> torch.Tensor:
         h = obs.double()
@@ -225,7 +226,7 @@ class BehaviorPolicy:
         h = self.q_values(obs)
         if self.kind == "softmax":
             return self.floor + (1.0 - h.shape[1] * self.floor) * torch.softmax(h / self.temperature, 1)
-        return epsilon_greedy(h, torch.tensor(self.epsilon, dtype=torch.float64))
+        return epsilon_greedy(h, self.epsilon_t)
 
 
 def epsilon_greedy(h: torch.Tensor, epsilon: torch.Tensor) -> torch.Tensor:
@@ -736,8 +737,6 @@ class AcrobotVector:
         """AcrobotEnv._dsdt ("book" dynamics) expression for expression, with cos(theta2) and sin(theta2) computed
         once instead of five times (the trigonometric functions are most of a step's cost); y [5, n]: state, torque."""
         e = self.env
-        if e.book_or_nips != "book":
-            return np.stack([*e._dsdt(y)[:4], np.zeros(y.shape[1])])
         m1, m2, l1, lc1, lc2 = e.LINK_MASS_1, e.LINK_MASS_2, e.LINK_LENGTH_1, e.LINK_COM_POS_1, e.LINK_COM_POS_2
         I1 = I2 = e.LINK_MOI  # noqa: N806  (gymnasium's names)
         g, pi, cos = 9.8, np.pi, np.cos
@@ -755,7 +754,8 @@ class AcrobotVector:
     def step(self, actions: np.ndarray, active: Optional[np.ndarray] = None):
         """active: the episodes still running (default all); the others' states stay as they are (each episode is
         integrated on its own, so stepping fewer changes none of the numbers)."""
-        env, cols, derivs = self.env, slice(None) if active is None or active.all() else np.flatnonzero(active), self.dsdt
+        env, derivs = self.env, self.dsdt
+        cols = slice(None) if active is None or active.all() else np.flatnonzero(active)
         y0 = np.concatenate([self.state[:, cols], np.asarray(env.AVAIL_TORQUE, dtype=np.float64)[actions[cols]][None]])
         dt = env.dt
         k1 = derivs(y0)
@@ -1278,8 +1278,9 @@ def control_variate(q: np.ndarray, cert: dict) -> np.ndarray:
     fits are one batched SVD solve; every other step is elementwise, so a member's fit is the same alone as among
     others."""
     fold, lead, state_features = cert["episode"] % 2, q.shape[:-2], cert["state_features"]  # 1, E_beta Q_b, max Q_b
-    member = [row_sum(q * cert["beta"]), row_max(q), q[..., np.arange(q.shape[-2]), cert["actions"]]]  # E_beta q,
-    ok = np.isfinite(q.reshape(*lead, -1)).all(-1)  # max q, q(s_t, a_t); ok: False for a diverged member's critic
+    # the critic's features, [..., N] each: E_beta q, max q, q(s_t, a_t)
+    member = [row_sum(q * cert["beta"]), row_max(q), q[..., np.arange(q.shape[-2]), cert["actions"]]]
+    ok = np.isfinite(q.reshape(*lead, -1)).all(-1)  # False for a diverged member's critic
     q_cv = np.full(q.shape, np.nan)
     for f in (0, 1):  # both halves hold >= 1 episode: n_episodes >= 2
         fit, use = np.flatnonzero(fold != f), np.flatnonzero(fold == f)
