@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import shutil
 
 import gymnasium as gym
@@ -87,6 +88,27 @@ def test_minibatches_and_initial_weights_are_the_single_runs():
         assert all(torch.equal(a, b) for a, b in zip(stack.state_dict(k).values(), ref.state_dict().values()))
         x = torch.randn(10, 4)
         assert torch.allclose(stack(x.expand(2, 10, 4))[k], ref(x), atol=1e-6)
+
+
+def test_adams_floor_under_sqrt_changes_no_bit():
+    """Adam floors v at 1e-36 before its sqrt (subnormals are slow): the update equals the unfloored formula exactly,
+    for v holding zeros, subnormals and normal values, at the first and a late step."""
+    torch.manual_seed(0)
+    stack = common.Stack([torch.nn.Sequential(torch.nn.Linear(20, 30)) for _ in range(2)])
+    adam = common.Adam(stack, torch.tensor([[1e-3], [3e-2]]))
+    for t in (0, 99_999):
+        adam.t = t
+        adam.v = torch.rand_like(stack.flat) * torch.logspace(-45, 0, stack.flat.shape[1])  # zeros to 1
+        adam.v[:, :50] = 0.0
+        adam.m = torch.randn_like(stack.flat) * 1e-3
+        stack.flat.grad = torch.randn_like(stack.flat) * torch.logspace(-30, 0, stack.flat.shape[1])
+        m = adam.m.lerp(stack.flat.grad, 0.1)
+        v = adam.v.mul(0.999).addcmul(stack.flat.grad, stack.flat.grad, value=0.001)
+        assert (v < torch.finfo(torch.float32).tiny).float().mean() > 0.1  # the case this is about
+        denom = (v.sqrt() / math.sqrt(1.0 - 0.999 ** (t + 1))).add_(1e-8)
+        expected = stack.flat.detach().addcdiv(m * (adam.lr / (1.0 - 0.9 ** (t + 1))), denom, value=-1.0)
+        adam.step()
+        assert torch.equal(stack.flat.detach(), expected)
 
 
 def test_adam_is_torch_adam_per_member():
