@@ -794,6 +794,8 @@ class LunarLanderSteps:
     def reset(self, seeds) -> np.ndarray:
         obs = np.stack([env.reset(seed=s)[0] for env, s in zip(self.envs, seeds)])
         self.noise = [(env.np_random.uniform(-1.0, 1.0, self.BLOCK) / self.ll.SCALE).tolist() for env in self.envs]
+        # each lander's angle and position before its next step (each step leaves them for the next: one Box2D read)
+        self.pose = [(env.lander.angle, *env.lander.position) for env in self.envs]
         self.t = 0
         return obs
 
@@ -802,6 +804,7 @@ class LunarLanderSteps:
         scale, w2, h2 = ll.SCALE, ll.VIEWPORT_W / ll.SCALE / 2, ll.VIEWPORT_H / ll.SCALE / 2
         main_y, main_power, side_power = ll.MAIN_ENGINE_Y_LOCATION / scale, ll.MAIN_ENGINE_POWER, ll.SIDE_ENGINE_POWER
         side_away, leg_down, fps = ll.SIDE_ENGINE_AWAY / scale, ll.LEG_DOWN / scale, ll.FPS
+        side_height, pose = ll.SIDE_ENGINE_HEIGHT, self.pose
         if i0 + 1 >= len(self.noise[0]):  # the generators' next draws, continuing each one's stream
             self.noise = [n + (env.np_random.uniform(-1.0, 1.0, self.BLOCK) / scale).tolist() for n, env in
                           zip(self.noise, self.envs)]
@@ -809,27 +812,28 @@ class LunarLanderSteps:
         for j, a in zip(active.tolist(), actions.tolist()):
             env = self.envs[j]
             lander, d0, d1 = env.lander, self.noise[j][i0], self.noise[j][i0 + 1]
-            tip0, tip1 = sin(lander.angle), cos(lander.angle)
+            angle, px, py = pose[j]
+            tip0, tip1 = sin(angle), cos(angle)
             m_power = s_power = 0.0
             if a == 2:  # main engine
                 m_power = 1.0
                 ox = tip0 * (main_y + 2 * d0) + (-tip1) * d1
                 oy = -tip1 * (main_y + 2 * d0) - tip0 * d1
-                pos = lander.position
-                lander.ApplyLinearImpulse((-ox * main_power * m_power, -oy * main_power * m_power),
-                                          (pos[0] + ox, pos[1] + oy), True)
+                lander.ApplyLinearImpulse((-ox * main_power * m_power, -oy * main_power * m_power), (px + ox, py + oy),
+                                          True)
             elif a == 1 or a == 3:  # orientation engines
                 direction, s_power = a - 2, 1.0
                 ox = tip0 * d0 + (-tip1) * (3 * d1 + direction * side_away)
                 oy = -tip1 * d0 - tip0 * (3 * d1 + direction * side_away)
-                pos = lander.position
                 lander.ApplyLinearImpulse((-ox * side_power * s_power, -oy * side_power * s_power),
-                                          (pos[0] + ox - tip0 * 17 / scale, pos[1] + oy + tip1 * ll.SIDE_ENGINE_HEIGHT / scale), True)
+                                          (px + ox - tip0 * 17 / scale, py + oy + tip1 * side_height / scale), True)
             env.world.Step(1.0 / fps, 6 * 30, 2 * 30)
-            pos, vel = lander.position, lander.linearVelocity
-            s = ((pos.x - w2) / w2, (pos.y - (env.helipad_y + leg_down)) / h2, vel.x * w2 / fps, vel.y * h2 / fps,
-                 lander.angle, 20.0 * lander.angularVelocity / fps, 1.0 if env.legs[0].ground_contact else 0.0,
-                 1.0 if env.legs[1].ground_contact else 0.0)
+            pos, vel, angle = lander.position, lander.linearVelocity, lander.angle
+            px, py, legs = pos.x, pos.y, env.legs
+            pose[j] = angle, px, py
+            s = ((px - w2) / w2, (py - (env.helipad_y + leg_down)) / h2, vel.x * w2 / fps, vel.y * h2 / fps,
+                 angle, 20.0 * lander.angularVelocity / fps, 1.0 if legs[0].ground_contact else 0.0,
+                 1.0 if legs[1].ground_contact else 0.0)
             shaping = (-100 * sqrt(s[0] * s[0] + s[1] * s[1]) - 100 * sqrt(s[2] * s[2] + s[3] * s[3]) - 100 * abs(s[4])
                        + 10 * s[6] + 10 * s[7])
             reward = shaping - env.prev_shaping
