@@ -20,14 +20,12 @@ departures from the paper are marked "Departure N" below and explained in docs/b
 
 from __future__ import annotations
 
-import functools
 import math
 import os
 import signal
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
 
 if __name__ == "__main__":  # an interrupt while the libraries below load has nothing to clean up: one line, exit 130
     signal.signal(signal.SIGINT, lambda *_: (print(f"{Path(sys.argv[0]).name}: interrupted; nothing written",
@@ -39,7 +37,6 @@ import torch
 import torch.nn as nn
 
 import common
-from common import load_checkpoint
 
 
 # --sweep may vary these (and --learning-rate, --gamma, --tau, --target-update-frequency) between members
@@ -156,7 +153,7 @@ def candidate_policy(beta, lam, w, temp, log_beta=None):
     return e / common.row_sum(e, True)
 
 
-def advantage_unit(q: torch.Tensor, q_max: Optional[torch.Tensor] = None) -> torch.Tensor:
+def advantage_unit(q: torch.Tensor, q_max: torch.Tensor | None = None) -> torch.Tensor:
     """Departure 5: the mean action gap max_a Q - min_a Q over a batch [M, B, |A|], per member: the relative softmax's
     unit of W, so that one temperature means the same on every task (the paper's lambda W carries reward units)."""
     return ((q.amax(-1) if q_max is None else q_max) - q.amin(-1)).mean(-1)
@@ -503,15 +500,18 @@ def project_confidence(lam_tilde: np.ndarray, d: np.ndarray) -> np.ndarray:
     nz = d != 0
     safe_d = np.where(nz, d, 1.0)
     # a spurious breakpoint at 0 for d_j = 0 is harmless: g is piecewise linear between any superset of breakpoints
-    bp = np.sort(np.concatenate([np.where(nz, lam_tilde / safe_d, 0.0), np.where(nz, (lam_tilde - 1.0) / safe_d, 0.0)],
-                                -1), -1).T  # [2 |A|, N]: action-major, every step elementwise over the states
-    g = functools.reduce(np.add, [np.clip(lt - bp * dj, 0.0, 1.0) * dj for lt, dj in zip(lam_tilde.T, d.T)])
-    k = np.clip((g > 0).sum(0) - 1, 0, len(bp) - 2)
-    rows = np.arange(bp.shape[1])
-    b0, b1, g0, g1 = bp[k, rows], bp[k + 1, rows], g[k, rows], g[k + 1, rows]
+    bp = np.ascontiguousarray(np.sort(np.concatenate([np.where(nz, lam_tilde / safe_d, 0.0), np.where(
+        nz, (lam_tilde - 1.0) / safe_d, 0.0)], -1), -1).T)  # [2 |A|, N]: action-major, elementwise over the states
+    g = 0.0  # sum_j clip(lam_tilde_j - bp d_j, 0, 1) d_j, one buffer per action (~1.3x on the projection)
+    for lt, dj in zip(np.ascontiguousarray(lam_tilde.T), np.ascontiguousarray(d.T)):
+        t = bp * dj
+        g = g + np.multiply(common.clip01(np.subtract(lt, t, out=t)), dj, out=t)
+    n, k = bp.shape[1], np.clip((g > 0).sum(0) - 1, 0, len(bp) - 2)
+    at = k * n + np.arange(n)  # (k, state) in the flattened [2 |A|, N] arrays, then (k + 1, state)
+    b0, b1, g0, g1 = bp.ravel()[at], bp.ravel()[at + n], g.ravel()[at], g.ravel()[at + n]
     frac = np.where(g0 > g1, g0 / np.where(g0 > g1, g0 - g1, 1.0), 0.0)
-    nu = np.where(nz.any(-1), b0 + np.clip(frac, 0.0, 1.0) * (b1 - b0), 0.0)
-    return np.clip(lam_tilde - nu[:, None] * d, 0.0, 1.0)
+    nu = np.where(nz.any(-1), b0 + common.clip01(frac) * (b1 - b0), 0.0)
+    return common.clip01(lam_tilde - nu[:, None] * d)
 
 
 def confidence_fit(lam_tilde: np.ndarray, d: np.ndarray, beta: np.ndarray, rho: np.ndarray, target: np.ndarray):
@@ -575,8 +575,8 @@ def make_actor(behavior, q_network, confidence, p, greedy: bool):
 def load_policy(path: str, greedy: bool = False, eval_seed: int = 10_000):
     """A saved policy (--eval-checkpoint, certify.py): checkpoint, act(obs, u), probs(obs, beta) -> pi(.|s), critic
     Q(s, .), on observations [1, N, dim]."""
-    ckpt = load_checkpoint(path, Path(__file__).stem, dict(q_network=dict, behavior=dict, args=dict, n_updates=int,
-                                                           advantage_unit=float, deploy_pi=bool, deploy_pessimism=float))
+    ckpt = common.load_checkpoint(path, Path(__file__).stem, dict(q_network=dict, behavior=dict, args=dict,
+        n_updates=int, advantage_unit=float, deploy_pi=bool, deploy_pessimism=float))
     saved = common.saved_args(ckpt, Args, check_args, path)  # the policy's own settings; evaluation's from the flags
     common.require(ckpt["advantage_unit"] > 0 and 0.0 <= ckpt["deploy_pessimism"] <= 1e3,
                    f"checkpoint {path}: its advantage unit or deployed pessimism is invalid")

@@ -20,7 +20,6 @@ import signal
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
 
 if __name__ == "__main__":  # an interrupt while the libraries below load has nothing to clean up: one line, exit 130
     signal.signal(signal.SIGINT, lambda *_: (print(f"{Path(sys.argv[0]).name}: interrupted; nothing written",
@@ -138,7 +137,7 @@ def candidate_policy(beta, lam, w, temp, log_beta=None):
     return e / common.row_sum(e, True)
 
 
-def advantage_unit(q: torch.Tensor, q_max: Optional[torch.Tensor] = None) -> torch.Tensor:
+def advantage_unit(q: torch.Tensor, q_max: torch.Tensor | None = None) -> torch.Tensor:
     """Departure 5: the mean action gap max_a Q - min_a Q over a batch [M, B, |A|], per member: the relative softmax's
     unit of W, so that one temperature means the same on every task (the paper's lambda W carries reward units)."""
     return ((q.amax(-1) if q_max is None else q_max) - q.amin(-1)).mean(-1)
