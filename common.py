@@ -1293,24 +1293,25 @@ def control_variate(q: np.ndarray, cert: dict) -> np.ndarray:
     # the critic's features, [..., N] each: E_beta q, max q, q(s_t, a_t)
     member = [row_sum(q * cert["beta"]), row_max(q), q[..., np.arange(q.shape[-2]), cert["actions"]]]
     ok = np.isfinite(q.reshape(*lead, -1)).all(-1)  # False for a diverged member's critic
-    q_cv = np.full(q.shape, np.nan)
+    s, state, slope = state_features.T, None, None
     for f in (0, 1):  # both halves hold >= 1 episode: n_episodes >= 2
-        fit, use = np.flatnonzero(fold != f), np.flatnonzero(fold == f)
+        fit = np.flatnonzero(fold != f)
         x = np.empty((*lead, 6, len(fit)))  # the design matrix, transposed: column-major, as LAPACK takes it
         x[..., :3, :] = state_features[fit].T
         for k, feature in enumerate(member):
-            x[..., 3 + k, :] = feature[..., fit]
+            np.take(feature, fit, -1, out=x[..., 3 + k, :])
         coef = np.full((*lead, 6), np.nan)  # a diverged member's fit: NaN, not an error
         if ok.any():
             y = torch.from_numpy(cert["returns"][fit]).expand(int(ok.sum()), -1)[..., None].contiguous()
             coef[ok] = torch.linalg.lstsq(torch.from_numpy(x if ok.all() else x[ok]).reshape(-1, 6, len(fit)).mT, y,
                                           driver="gelss").solution.numpy()[..., 0]
-        # in sum_a (pi - beta) q_cv the state-only terms cancel: the direct term carries q(s, a) only
-        c, s = coef[..., None, :], state_features[use].T
-        state = c[..., 0] * s[0] + c[..., 1] * s[1] + c[..., 2] * s[2] + c[..., 3] * member[0][..., use] + c[
-            ..., 4] * member[1][..., use]
-        q_cv[..., use, :] = state[..., None] + c[..., 5, None] * np.take(q, use, -2)
-    return q_cv
+        # in sum_a (pi - beta) q_cv the state-only terms cancel: the direct term carries q(s, a) only. Evaluated on
+        # every row and kept on this fold's (elementwise: each row's numbers are the same as on the fold alone)
+        c = coef[..., None, :]
+        fs = c[..., 0] * s[0] + c[..., 1] * s[1] + c[..., 2] * s[2] + c[..., 3] * member[0] + c[..., 4] * member[1]
+        state = fs if f == 0 else np.where(fold == f, fs, state)
+        slope = np.broadcast_to(c[..., 5], fs.shape) if f == 0 else np.where(fold == f, c[..., 5], slope)
+    return state[..., None] + slope[..., None] * q
 
 
 def improvement_certificate(pi: np.ndarray, q: np.ndarray, cert: dict, z: float, q_cv=None) -> dict:
