@@ -502,16 +502,16 @@ def project_confidence(lam_tilde: np.ndarray, d: np.ndarray) -> np.ndarray:
     # a spurious breakpoint at 0 for d_j = 0 is harmless: g is piecewise linear between any superset of breakpoints
     bp = np.ascontiguousarray(np.sort(np.concatenate([np.where(nz, lam_tilde / safe_d, 0.0), np.where(
         nz, (lam_tilde - 1.0) / safe_d, 0.0)], -1), -1).T)  # [2 |A|, N]: action-major, elementwise over the states
-    g = 0.0  # sum_j clip(lam_tilde_j - bp d_j, 0, 1) d_j, one buffer per action (~1.3x on the projection)
+    g = 0.0  # sum_j clip(lam_tilde_j - bp d_j, 0, 1) d_j, one buffer per action
     for lt, dj in zip(np.ascontiguousarray(lam_tilde.T), np.ascontiguousarray(d.T)):
         t = bp * dj
-        g = g + np.multiply(common.clip01(np.subtract(lt, t, out=t)), dj, out=t)
+        g = g + np.multiply(np.clip(np.subtract(lt, t, out=t), 0.0, 1.0, out=t), dj, out=t)
     n, k = bp.shape[1], np.clip((g > 0).sum(0) - 1, 0, len(bp) - 2)
     at = k * n + np.arange(n)  # (k, state) in the flattened [2 |A|, N] arrays, then (k + 1, state)
     b0, b1, g0, g1 = bp.ravel()[at], bp.ravel()[at + n], g.ravel()[at], g.ravel()[at + n]
     frac = np.where(g0 > g1, g0 / np.where(g0 > g1, g0 - g1, 1.0), 0.0)
-    nu = np.where(nz.any(-1), b0 + common.clip01(frac) * (b1 - b0), 0.0)
-    return common.clip01(lam_tilde - nu[:, None] * d)
+    nu = np.where(nz.any(-1), b0 + np.clip(frac, 0.0, 1.0) * (b1 - b0), 0.0)
+    return np.clip(lam_tilde - nu[:, None] * d, 0.0, 1.0)
 
 
 def confidence_fit(lam_tilde: np.ndarray, d: np.ndarray, beta: np.ndarray, rho: np.ndarray, target: np.ndarray):
