@@ -1288,7 +1288,7 @@ def control_variate(q: np.ndarray, cert: dict) -> np.ndarray:
     # the critic's features, [..., N] each: E_beta q, max q, q(s_t, a_t)
     member = [row_sum(q * cert["beta"]), row_max(q), q[..., np.arange(q.shape[-2]), cert["actions"]]]
     ok = np.isfinite(q.reshape(*lead, -1)).all(-1)  # False for a diverged member's critic
-    s, state, slope = state_features.T, None, None
+    s, state, slope = state_features.T, [], []
     for f in (0, 1):  # both halves hold >= 1 episode: n_episodes >= 2
         fit = np.flatnonzero(fold != f)
         x = np.empty((*lead, 6, len(fit)))  # the design matrix, transposed: column-major, as LAPACK takes it
@@ -1304,9 +1304,10 @@ def control_variate(q: np.ndarray, cert: dict) -> np.ndarray:
         # every row and kept on this fold's (elementwise: each row's numbers are the same as on the fold alone)
         c = coef[..., None, :]
         fs = c[..., 0] * s[0] + c[..., 1] * s[1] + c[..., 2] * s[2] + c[..., 3] * member[0] + c[..., 4] * member[1]
-        state = fs if f == 0 else np.where(fold == f, fs, state)
-        slope = np.broadcast_to(c[..., 5], fs.shape) if f == 0 else np.where(fold == f, c[..., 5], slope)
-    return state[..., None] + slope[..., None] * q
+        state.append(fs)
+        slope.append(c[..., 5])
+    second = fold == 1
+    return np.where(second, state[1], state[0])[..., None] + np.where(second, slope[1], slope[0])[..., None] * q
 
 
 def improvement_certificate(pi: np.ndarray, q: np.ndarray, cert: dict, z: float, q_cv=None) -> dict:
