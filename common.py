@@ -724,8 +724,8 @@ class AcrobotVector:
     """Acrobot-v1 for n episodes at once: gymnasium's dynamics (AcrobotEnv._dsdt's expressions on arrays of states)
     integrated by the same one-step RK4, wrap, bound, reward, termination and 500-step limit as AcrobotEnv.step, in
     the same float64 operations: the same trajectories as n gymnasium environments (tested), without n Python calls
-    per time step. step(actions) -> (obs, reward, terminated, truncated). Every operation writes into buffers made
-    once (numpy's temporaries cost as much as the arithmetic on these ~1,000-element arrays)."""
+    per time step. step(actions) -> (obs, reward, terminated, truncated). The RK4 stages and the dynamics write into
+    buffers made once (numpy's temporaries cost as much as the arithmetic on these ~1,000-element arrays)."""
 
     def __init__(self, starts: np.ndarray):
         from gymnasium.envs.classic_control.acrobot import AcrobotEnv
@@ -809,7 +809,7 @@ class AcrobotVector:
         as they are (each episode is integrated on its own, so stepping fewer changes none of the numbers)."""
         env, derivs = self.env, self.dsdt
         cols = slice(None) if active is None or active.all() else np.flatnonzero(active)
-        n, dt = self.state[:, cols].shape[1], env.dt
+        n, dt = self.state.shape[1] if isinstance(cols, slice) else len(cols), env.dt
         (k1, k2, k3, k4), (y0, y) = self.k[:, :, :n], self.y[:, :, :n]
         y0[:4] = self.state[:, cols]
         np.take(np.asarray(env.AVAIL_TORQUE, dtype=np.float64), actions[cols], out=y0[4])
