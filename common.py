@@ -733,12 +733,20 @@ class AcrobotVector:
         self.limit = gym.spec("Acrobot-v1").max_episode_steps
         n = self.state.shape[1]
         self.k, self.y, self.tmp = np.empty((4, 5, n)), np.empty((2, 5, n)), np.empty((7, n))  # RK4 stages, scratch
-        self._obs, self.terminated = self.obs(), -np.cos(self.state[0]) - np.cos(self.state[1] + self.state[0]) > 1.0
+        self.last_obs, self.terminated = np.empty((n, 6), dtype=np.float32), np.empty(n, dtype=bool)
+        self.observe(slice(None))
 
     def obs(self, cos0: Optional[np.ndarray] = None, cols=slice(None)) -> np.ndarray:
         s = self.state[:, cols]
         cos0 = np.cos(s[0]) if cos0 is None else cos0
         return np.stack([cos0, np.sin(s[0]), np.cos(s[1]), np.sin(s[1]), s[2], s[3]], 1).astype(np.float32)
+
+    def observe(self, cols) -> None:
+        """The observations and terminations of episodes cols, from their states."""
+        s = self.state[:, cols]
+        cos0 = np.cos(s[0])
+        self.last_obs[cols] = self.obs(cos0, cols)
+        self.terminated[cols] = -cos0 - np.cos(s[1] + s[0]) > 1.0
 
     def dsdt(self, y: np.ndarray, out: np.ndarray) -> np.ndarray:
         """AcrobotEnv._dsdt ("book" dynamics), the same operations in the same order, into out [5, n]; cos(theta2) and
@@ -830,11 +838,9 @@ class AcrobotVector:
         ns[2] = np.minimum(np.maximum(ns[2], -env.MAX_VEL_1), env.MAX_VEL_1)
         ns[3] = np.minimum(np.maximum(ns[3], -env.MAX_VEL_2), env.MAX_VEL_2)
         self.state[:, cols], self.steps = ns, self.steps + 1
-        cos0 = np.cos(ns[0])
-        self._obs[cols] = self.obs(cos0, cols)
-        self.terminated[cols] = -cos0 - np.cos(ns[1] + ns[0]) > 1.0
+        self.observe(cols)
         terminated = self.terminated.copy()
-        return (self._obs.copy(), np.where(terminated, 0.0, -1.0), terminated,
+        return (self.last_obs.copy(), np.where(terminated, 0.0, -1.0), terminated,
                 np.full_like(terminated, self.steps >= self.limit))
 
 
