@@ -103,9 +103,9 @@ def train(runs: common.Members) -> None:
     optimizer = common.Adam(policy_network, runs.column("learning_rate"))
     act = make_policy(policy_network, runs.first.eval_greedy)
     for step in range(1, runs.first.total_steps + 1):
-        idx = runs.minibatch(step)  # [M, batch]
-        log_pi = torch.log_softmax(policy_network(obs[idx]), -1)
-        loss = -log_pi.gather(-1, actions[idx].unsqueeze(-1)).mean((1, 2))  # [M]: each member's cross-entropy
+        batch = runs.minibatch(step)  # batch(t): t's rows [M, batch, ...]
+        log_pi = torch.log_softmax(policy_network(batch(obs)), -1)
+        loss = -log_pi.gather(-1, batch(actions).unsqueeze(-1)).mean((1, 2))  # [M]: each member's cross-entropy
         loss.sum().backward()
         optimizer.step()
 

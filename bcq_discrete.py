@@ -188,12 +188,12 @@ def train(runs: common.Members) -> None:
     act = greedy_policy(network, log_tau)
 
     for step in range(1, runs.first.total_steps + 1):
-        idx = runs.minibatch(step)  # [M, batch]
-        batch_actions = actions[idx].unsqueeze(-1)
+        batch = runs.minibatch(step)  # batch(t): t's rows [M, batch, ...]
+        batch_actions = batch(actions).unsqueeze(-1)
         with torch.no_grad():
-            td_target, next_allowed = bcq_target(network, target_q_network, next_obs[idx], rewards[idx], not_done[idx],
-                                                 gamma, log_tau)
-        q_all, logits = towers(network, obs[idx])
+            td_target, next_allowed = bcq_target(network, target_q_network, batch(next_obs), batch(rewards),
+                                                 batch(not_done), gamma, log_tau)
+        q_all, logits = towers(network, batch(obs))
         q = q_all.gather(-1, batch_actions).squeeze(-1)
         td_loss = F.smooth_l1_loss(q, td_target, reduction="none").mean(1)  # [M]: per member
         imitation_loss = -torch.log_softmax(logits, -1).gather(-1, batch_actions).mean((1, 2))

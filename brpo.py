@@ -679,13 +679,12 @@ def train(runs: common.Members) -> None:
 
     for step in range(1, first.total_steps + 1):
         # --- update: critic target and W (Algorithm 1, line 6) ---
-        idx = runs.minibatch(step)  # [M, batch]
-        ix = idx.numpy()
-        s = obs[idx]
+        batch = runs.minibatch(step)  # batch(t): t's rows [M, batch, ...]
+        s = batch(obs)
         with torch.no_grad():
-            next_q = target_network(next_obs[idx])
-            next_v = mixed_value(next_q, next_beta[idx], mu32, next_q.max(-1).values)
-        td_target = torch.addcmul(rewards[idx], next_v, gamma32 * not_done[idx])  # r + gamma (1 - terminal) V(s')
+            next_q = target_network(batch(next_obs))
+            next_v = mixed_value(next_q, batch(next_beta), mu32, next_q.max(-1).values)
+        td_target = torch.addcmul(batch(rewards), next_v, gamma32 * batch(not_done))  # r + gamma (1 - terminal) V(s')
         out = networks(s.repeat_interleave(2, 0)).unflatten(0, (-1, 2))
         q_all, lam_tilde = out[:, 0], torch.sigmoid(out[:, 1])
         q64 = q_all.detach().double()
@@ -693,19 +692,19 @@ def train(runs: common.Members) -> None:
             if runs.alive[m]:
                 runs.drop(m, f"training diverged: the critic's values are NaN or inf after {step - 1} updates; try a "
                              "lower --learning-rate")
-        q_taken = q_all.gather(-1, actions[idx].unsqueeze(-1)).squeeze(-1)
+        q_taken = q_all.gather(-1, batch(actions).unsqueeze(-1)).squeeze(-1)
         td_loss = (q_taken - td_target).square().mean(1)  # [M]: each member's mean squared TD error
         q_max = q64.amax(-1)
         batch_unit = advantage_unit(q64, q_max)  # departure 5
         unit = batch_unit if step == 1 else (1.0 - UNIT_RATE) * unit + UNIT_RATE * batch_unit
-        q_np, unit_np, beta = q64.numpy(), unit.numpy(), beta_all[ix]
+        q_np, unit_np, beta, sqrt_beta = q64.numpy(), unit.numpy(), batch(beta_all), batch(sqrt_beta_all)
         w = q_np - mixed_value(q_np, beta, p.mu, q_max.numpy())[..., None]  # W = Q - V, the critic before its step
 
         # --- update: confidence (Algorithm 1, lines 3-5) ---
         lam_np = lam_tilde.detach().numpy().astype(np.float64)
-        rho, temp = candidate(beta, lam_np, w, p, p.pessimism, step - 1, unit_np, log_beta_all[ix], sqrt_beta_all[ix])  # 3
+        rho, temp = candidate(beta, lam_np, w, p, p.pessimism, step - 1, unit_np, batch(log_beta_all), sqrt_beta)  # 3
         d = rho - beta
-        w_solver = solver_advantage(w, beta, p, unit_np, sqrt_beta_all[ix])
+        w_solver = solver_advantage(w, beta, p, unit_np, sqrt_beta)
         alive = np.array(runs.alive)  # a dropped member's values are NaN: its confidence is 0
         lam_star = solve_confidence_members(np.where(alive[:, None, None], d, 0.0), np.where(alive[:, None, None],
                                                                                               w_solver, 0.0), k_penalty)

@@ -304,19 +304,19 @@ def train(runs: common.Members) -> None:
 
     for step in range(1, first.total_steps + 1):
         # --- update: critic target and W (Algorithm 1, line 6) ---
-        idx = runs.minibatch(step)  # [M, batch]
-        s = obs[idx]
+        batch = runs.minibatch(step)  # batch(t): t's rows [M, batch, ...]
+        s = batch(obs)
         with torch.no_grad():
-            next_q = target_network(next_obs[idx])
-            next_v = mixed_value(next_q, next_beta[idx], mu32, next_q.max(-1).values)
-        td_target = torch.addcmul(rewards[idx], next_v, gamma32 * not_done[idx])  # r + gamma (1 - terminal) V(s')
+            next_q = target_network(batch(next_obs))
+            next_v = mixed_value(next_q, batch(next_beta), mu32, next_q.max(-1).values)
+        td_target = torch.addcmul(batch(rewards), next_v, gamma32 * batch(not_done))  # r + gamma (1 - terminal) V(s')
         q_all = q_network(s)
         q64 = q_all.detach().double()
         for m in np.flatnonzero(~q64.isfinite().all(-1).all(-1).numpy()):  # a diverged critic would poison the rest
             if runs.alive[m]:
                 runs.drop(m, f"training diverged: the critic's values are NaN or inf after {step - 1} updates; try a "
                              "lower --learning-rate")
-        q_taken = q_all.gather(-1, actions[idx].unsqueeze(-1)).squeeze(-1)
+        q_taken = q_all.gather(-1, batch(actions).unsqueeze(-1)).squeeze(-1)
         td_loss = (q_taken - td_target).square().mean(1)  # [M]: each member's mean squared TD error
         q_max = q64.amax(-1)
         batch_unit = advantage_unit(q64, q_max)  # departure 5

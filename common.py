@@ -992,6 +992,20 @@ class Simulators:
         return returns.reshape(self.copies, self.episodes)
 
 
+class Minibatch:
+    """One update's rows idx [M, batch] of the members' concatenated data; batch(t) -> t[idx], [M, batch, ...], for a
+    tensor or numpy array t: one flat index_select / np.take (2-3x cheaper than t[idx] on these sizes, the same
+    numbers)."""
+
+    def __init__(self, idx: torch.Tensor):
+        self.idx, self.flat = idx, idx.reshape(-1)
+
+    def __call__(self, t):
+        if isinstance(t, np.ndarray):
+            return np.take(t, self.flat.numpy(), 0).reshape(*self.idx.shape, *t.shape[1:])
+        return t.index_select(0, self.flat).view(*self.idx.shape, *t.shape[1:])
+
+
 def member_args(args, check, member_flags: tuple = ()) -> list:
     """The runs of this process: every combination of --epsilons, --sweep values and --seeds (in that order), each
     as the flags of the single run it is (validated by the script's check), with its own --run-name."""
@@ -1129,9 +1143,9 @@ class Members:
         """A flag's value per member, [M, 1]."""
         return torch.tensor([getattr(a, name) for a in self.args], dtype=dtype)[:, None]
 
-    def minibatch(self, step: int) -> torch.Tensor:
-        """Rows [M, batch] of update `step` (from 1): member m's are torch.randint(n_m, (batch,)) from its generator,
-        the single run's stream (drawn 1,000 updates at a time: the same numbers), plus its offset."""
+    def minibatch(self, step: int) -> "Minibatch":
+        """The minibatch of update `step` (from 1), rows [M, batch]: member m's are torch.randint(n_m, (batch,)) from
+        its generator, the single run's stream (drawn 1,000 updates at a time: the same numbers), plus its offset."""
         k = (step - 1) % 1000
         if step == 1:  # the training clock starts at the first update (set-up is neither training nor evaluation)
             self.block_start = time.perf_counter()
@@ -1139,7 +1153,7 @@ class Members:
             b = self.first.batch_size
             self.chunk = torch.stack([torch.randint(n, (1000, b), generator=g)
                                       for n, g in zip(self.sizes, self.generators)], 1) + self.offsets
-        return self.chunk[k]
+        return Minibatch(self.chunk[k])
 
     def due(self, step: int) -> bool:
         """Evaluate after this update? Every --eval-frequency updates (every --eval-sparse-frequency before the last

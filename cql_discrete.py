@@ -119,14 +119,14 @@ def train(runs: common.Members) -> None:
     act = greedy_policy(q_network)
 
     for step in range(1, runs.first.total_steps + 1):
-        idx = runs.minibatch(step)  # [M, batch]
+        batch = runs.minibatch(step)  # batch(t): t's rows [M, batch, ...]
         with torch.no_grad():
-            target_max = target_network(next_obs[idx]).max(-1).values
-            td_target = rewards[idx] + gamma * target_max * not_done[idx]
-        q_all = q_network(obs[idx])
-        q = q_all.gather(-1, actions[idx].unsqueeze(-1)).squeeze(-1)
+            target_max = target_network(batch(next_obs)).max(-1).values
+            td_target = batch(rewards) + gamma * target_max * batch(not_done)
+        q_all = q_network(batch(obs))
+        q = q_all.gather(-1, batch(actions).unsqueeze(-1)).squeeze(-1)
         td_loss = (q - td_target).square().mean(1)  # [M]: each member's own mean squared TD error, as dqn_offline.py
-        gap = cql_gap(q_all, actions[idx])  # [M, batch]
+        gap = cql_gap(q_all, batch(actions))  # [M, batch]
         # CQL(H), eq. 4 of Kumar et al.: alpha * E_s[logsumexp_a Q(s, a) - E_{a~beta}[Q(s, a)]] (the batch's action
         # is the sample of a ~ beta), added to the TD loss; its gradient is alpha * (softmax(Q(s, .)) - onehot(a)).
         loss = td_loss + (cql_alpha * gap).mean(1)

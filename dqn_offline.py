@@ -95,11 +95,11 @@ def train(runs: common.Members) -> None:
     act = greedy_policy(q_network)
 
     for step in range(1, runs.first.total_steps + 1):
-        idx = runs.minibatch(step)  # [M, batch]
+        batch = runs.minibatch(step)  # batch(t): t's rows [M, batch, ...]
         with torch.no_grad():
-            target_max = target_network(next_obs[idx]).max(-1).values
-            td_target = rewards[idx] + gamma * target_max * not_done[idx]
-        q = q_network(obs[idx]).gather(-1, actions[idx].unsqueeze(-1)).squeeze(-1)
+            target_max = target_network(batch(next_obs)).max(-1).values
+            td_target = batch(rewards) + gamma * target_max * batch(not_done)
+        q = q_network(batch(obs)).gather(-1, batch(actions).unsqueeze(-1)).squeeze(-1)
         loss = (q - td_target).square().mean(1)  # [M]: each member's own mean squared TD error
         loss.sum().backward()
         optimizer.step()

@@ -192,11 +192,11 @@ def train(runs: common.Members) -> None:
     act = make_policy(q_network, runs.behavior(), threshold, runs.first.eval_greedy)
 
     for step in range(1, runs.first.total_steps + 1):
-        idx = runs.minibatch(step)  # [M, batch]
+        batch = runs.minibatch(step)  # batch(t): t's rows [M, batch, ...]
         with torch.no_grad():
-            td_target = spibb_target(rewards[idx], not_done[idx], target_network(next_obs[idx]), next_beta[idx],
+            td_target = spibb_target(batch(rewards), batch(not_done), target_network(batch(next_obs)), batch(next_beta),
                                      threshold, gamma)
-        q = q_network(obs[idx]).gather(-1, actions[idx].unsqueeze(-1)).squeeze(-1)
+        q = q_network(batch(obs)).gather(-1, batch(actions).unsqueeze(-1)).squeeze(-1)
         loss = (q - td_target).square().mean(1)  # [M]: each member's own mean squared TD error
         loss.sum().backward()
         optimizer.step()

@@ -77,8 +77,13 @@ def test_minibatches_and_initial_weights_are_the_single_runs():
     members.generators = [torch.Generator().manual_seed(3), torch.Generator().manual_seed(5)]
     alone = [torch.Generator().manual_seed(3), torch.Generator().manual_seed(5)]
     for step in range(1, 2500):
-        idx = members.minibatch(step)
+        batch = members.minibatch(step)
+        idx = batch.idx
         assert torch.equal(idx[0], torch.randint(50, (8,), generator=alone[0]))
+        if step % 500 == 1:  # batch(t) is t[idx], for tensors and numpy arrays of any trailing shape
+            data = torch.randn(120, 3, 2)
+            assert torch.equal(batch(data), data[idx]) and torch.equal(batch(data[:, 0, 0]), data[idx, 0, 0])
+            assert np.array_equal(batch(data.numpy()), data.numpy()[idx.numpy()])
         assert torch.equal(idx[1] - 50, torch.randint(70, (8,), generator=alone[1]))
     nets = members.build(lambda: [torch.nn.Sequential(torch.nn.Linear(4, 32), torch.nn.ReLU(), torch.nn.Linear(32, 2))])
     stack = common.Stack(nets[0])
