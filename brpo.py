@@ -497,20 +497,20 @@ def project_confidence(lam_tilde: np.ndarray, d: np.ndarray) -> np.ndarray:
     if d.shape[1] == 2:  # d = (delta, -delta): Lambda(s) is the diagonal, the projection is the clip of the mean
         return np.where((d[:, :1] != 0) | (d[:, 1:] != 0), np.clip((lam_tilde[:, :1] + lam_tilde[:, 1:]) / 2, 0.0, 1.0),
                         np.clip(lam_tilde, 0.0, 1.0)) * np.ones_like(lam_tilde)
-    nz = d != 0
-    safe_d = np.where(nz, d, 1.0)
+    lam_t, d_t = np.ascontiguousarray(lam_tilde.T), np.ascontiguousarray(d.T)  # [|A|, N]: action-major, elementwise
+    nz = d_t != 0
+    safe_d = np.where(nz, d_t, 1.0)
     # a spurious breakpoint at 0 for d_j = 0 is harmless: g is piecewise linear between any superset of breakpoints
-    bp = np.ascontiguousarray(np.sort(np.concatenate([np.where(nz, lam_tilde / safe_d, 0.0), np.where(
-        nz, (lam_tilde - 1.0) / safe_d, 0.0)], -1), -1).T)  # [2 |A|, N]: action-major, elementwise over the states
+    bp = common.sort_rows([*np.where(nz, lam_t / safe_d, 0.0), *np.where(nz, (lam_t - 1.0) / safe_d, 0.0)])  # [2|A|, N]
     g = 0.0  # sum_j clip(lam_tilde_j - bp d_j, 0, 1) d_j, one buffer per action
-    for lt, dj in zip(np.ascontiguousarray(lam_tilde.T), np.ascontiguousarray(d.T)):
+    for lt, dj in zip(lam_t, d_t):
         t = bp * dj
         g = g + np.multiply(np.clip(np.subtract(lt, t, out=t), 0.0, 1.0, out=t), dj, out=t)
     n, k = bp.shape[1], np.clip((g > 0).sum(0) - 1, 0, len(bp) - 2)
     at = k * n + np.arange(n)  # (k, state) in the flattened [2 |A|, N] arrays, then (k + 1, state)
     b0, b1, g0, g1 = bp.ravel()[at], bp.ravel()[at + n], g.ravel()[at], g.ravel()[at + n]
     frac = np.where(g0 > g1, g0 / np.where(g0 > g1, g0 - g1, 1.0), 0.0)
-    nu = np.where(nz.any(-1), b0 + np.clip(frac, 0.0, 1.0) * (b1 - b0), 0.0)
+    nu = np.where(nz.any(0), b0 + np.clip(frac, 0.0, 1.0) * (b1 - b0), 0.0)
     return np.clip(lam_tilde - nu[:, None] * d, 0.0, 1.0)
 
 

@@ -1038,6 +1038,18 @@ def test_row_reductions_are_numpys(n_actions):
             assert np.array_equal(common.row_max(a, keep), a.max(-1, keepdims=keep), equal_nan=True)
 
 
+@pytest.mark.parametrize("k", [2, 5, 6, 8])
+def test_sort_rows_is_numpys_sort(k):
+    """The sorting networks sort every 0/1 input (so every input: Knuth's 0-1 principle), and sort_rows gives
+    np.sort's numbers, ties, signed zeros and infinities included."""
+    import itertools
+    for bits in itertools.product((0.0, 1.0), repeat=k):
+        assert list(common.sort_rows([np.array([b]) for b in bits])[:, 0]) == sorted(bits)
+    rng = np.random.default_rng(k)
+    x = rng.choice([-np.inf, -1.5, -0.0, 0.0, 0.25, 3.0, np.inf], size=(k, 999)) * rng.integers(1, 3, size=(k, 999))
+    assert np.array_equal(common.sort_rows(list(x)), np.sort(x, 0))
+
+
 def test_certificate_refuses_batches_without_returns():
     """Shuffled rows have no returns-to-go; logged actions with probability 0 under the stored beta were not
     drawn from it; one complete episode has no standard error. Each is refused with a reason, not a number."""
