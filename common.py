@@ -616,16 +616,29 @@ class Stack:
         linear = [[m for m in net if isinstance(m, nn.Linear)] for net in nets]
         self.sizes = [(m.in_features, m.out_features) for m in linear[0]]
         self.flat = torch.stack([torch.cat([t for m in ls for t in (m.weight.detach().T.reshape(-1), m.bias.detach())])
-                                 for ls in linear]).requires_grad_()
-        self.layers = self._views()
+                                 for ls in linear])
+        self.layers = self._views(trainable=True)
 
-    def _views(self) -> list:
+    def _views(self, trainable: bool = False) -> list:
+        """The layers as views of flat, made once. Trainable: each view is a leaf of autograd (flat itself is not),
+        so a backward leaves one dense gradient per view, which gradient() concatenates: cheaper than autograd
+        scattering every view's gradient into a gradient of flat."""
         layers, o = [], 0
-        for n_in, n_out in self.sizes:  # views made once: autograd carries each step's gradient into flat.grad
+        for n_in, n_out in self.sizes:
             w = self.flat[:, o:o + n_in * n_out].unflatten(1, (n_in, n_out))
-            layers.append((w, self.flat[:, o + n_in * n_out:o + n_in * n_out + n_out].unsqueeze(1)))
+            b = self.flat[:, o + n_in * n_out:o + n_in * n_out + n_out].unsqueeze(1)
+            layers.append((w.requires_grad_(), b.requires_grad_()) if trainable else (w, b))
             o += n_in * n_out + n_out
         return layers
+
+    def gradient(self) -> torch.Tensor:
+        """The gradient [K, P] of the last backward, laid out like flat; the views' gradients are cleared."""
+        grads = [t.grad.flatten(1) if t.grad is not None else torch.zeros(len(self.flat), t[0].numel())
+                 for layer in self.layers for t in layer]
+        for layer in self.layers:
+            for t in layer:
+                t.grad = None
+        return torch.cat(grads, 1)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         for i, (w, b) in enumerate(self.layers):
@@ -641,12 +654,12 @@ class Stack:
     def select(self, ks: list) -> "Stack":
         """A copy of networks ks (no gradient), e.g. one member's networks for its final diagnostics."""
         copy = object.__new__(Stack)
-        copy.sizes, copy.flat, copy.output = self.sizes, self.flat.detach()[ks].clone(), self.output
+        copy.sizes, copy.flat, copy.output = self.sizes, self.flat[ks].clone(), self.output
         copy.layers = copy._views()
         return copy
 
     def part(self, ks: slice) -> "Stack":
-        """Networks ks sharing this Stack's weights (a view), e.g. the Q towers of a target network."""
+        """Networks ks sharing this Stack's weights (a view, no gradient), e.g. the Q towers of a target network."""
         view = object.__new__(Stack)
         view.sizes, view.flat, view.output = self.sizes, self.flat[ks], self.output
         view.layers = view._views()
@@ -666,20 +679,20 @@ class Adam:
     lr [K, 1]: one update for all members."""
 
     def __init__(self, stack: Stack, lr: torch.Tensor):
-        self.flat, self.lr, self.t = stack.flat, lr, 0
+        self.stack, self.flat, self.lr, self.t = stack, stack.flat, lr, 0
         self.m, self.v = torch.zeros_like(self.flat), torch.zeros_like(self.flat)
 
-    def step(self) -> None:
-        g, self.t = self.flat.grad, self.t + 1
+    def step(self, g: Optional[torch.Tensor] = None) -> None:
+        """One update with the gradient g [K, P] (default: the stack's, from the last backward)."""
+        g, self.t = self.stack.gradient() if g is None else g, self.t + 1
         self.m.lerp_(g, 0.1)
         self.v.mul_(0.999).addcmul_(g, g, value=0.001)
         # v of a parameter whose gradient is 0 (a dead ReLU unit) decays to 0 through subnormals, on which sqrt is
         # 5-30x slower. Below 1e-36, sqrt(v) / sqrt(1 - 0.999^t) < 4e-17 vanishes when 1e-8 is added (half an ulp of
         # 1e-8 in float32 is 4e-16): the floor changes no bit of denom.
         denom = (self.v.clamp_min(1e-36).sqrt_() / math.sqrt(1.0 - 0.999 ** self.t)).add_(1e-8)
-        with torch.no_grad():
+        with torch.no_grad():  # flat is the base of the layers' views, which require gradients
             self.flat.addcdiv_(self.m * (self.lr / (1.0 - 0.9 ** self.t)), denom, value=-1.0)
-        self.flat.grad = None
 
 
 def soft_update(step: int, target: Stack, online: Stack, period: torch.Tensor, tau: torch.Tensor) -> None:
