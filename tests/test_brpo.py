@@ -838,7 +838,7 @@ def test_brpo_c_differs_only_in_confidence():
     assert set(brpo_c) - set(brpo) == {"ConstantConfidence"}
     brpo_src, c_src = (REPO / "brpo.py").read_text().splitlines(), set((REPO / "brpo_c.py").read_text().splitlines())
     # inside train, the critic update, the target update and the evaluation are verbatim the same lines
-    for needle in ("next_v = mixed_value(next_q, next_beta[idx], mu32", "td_target = torch.addcmul(rewards[idx], next_v",
+    for needle in ("next_v = mixed_value(next_q, batch(next_beta), mu32", "td_target = torch.addcmul(batch(rewards), next_v",
                    "common.soft_update(step, target_network, q_network, period, tau)", "runs.log(step, {\"charts/deployed_pi\": deploy_pi",
                    "level, certificates[m] = common.choose_level(", "unit = batch_unit if step == 1",
                    "td_loss = (q_taken - td_target).square().mean(1)"):
