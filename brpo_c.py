@@ -177,13 +177,13 @@ FLAGS = ("mu", "gamma", "kappa_scale", "kappa_max", "kappa_decay", "pessimism", 
 
 
 def policy_probs(obs, beta, q_network, confidence, p, pessimism, n_updates, unit, q=None, log_beta=None,
-                 sqrt_beta=None):
+                 sqrt_beta=None, lam_tilde=None):
     """pi(.|s) [M, N, |A|] at arbitrary states obs [M, N, dim] (no gradient): the deployed residual policy. q (the
-    critic's values), log_beta, sqrt_beta: computed here unless given."""
+    critic's values), log_beta, sqrt_beta, lam_tilde (the raw confidence): computed here unless given."""
     with torch.no_grad():
         q = q_network(obs).double().numpy() if q is None else q
         w = q - mixed_value(q, beta, p.mu)[..., None]
-        lam = confidence(obs)  # constant: already feasible
+        lam = confidence(obs) if lam_tilde is None else lam_tilde  # constant: already feasible
         rho, _ = candidate(beta, lam, w, p, pessimism, n_updates, unit, log_beta, sqrt_beta)
         return residual_policy(beta, rho, lam)
 
@@ -253,13 +253,14 @@ def deploy(runs, step, obs, q_network, confidence, p, unit, levels, certs):
             members), confidence.select(members)
         blocks = lambda f: common.in_blocks(f, len(cert["rows"]), 16384 // len(members))  # noqa: E731  (~16k states)
         q_batch, pis = blocks(lambda b: common.q_function(q_sub)(rows[:, b])), {}
+        lam_batch = blocks(lambda b: np.asarray(confidence_sub(rows[:, b]), dtype=np.float64))  # for every level
         q_cv = common.control_variate(q_batch, cert)  # the members' fits at once
 
         def pi_of(level: int, i: int) -> np.ndarray:  # every member's pi at a level, built when first asked for
             if level not in pis:
                 pis[level] = blocks(lambda b: policy_probs(rows[:, b], beta[:, b], q_sub, confidence_sub, sub,
                     np.full_like(sub.pessimism, levels[level]), step, unit[members], q_batch[:, b], cert["log_beta"][b],
-                    cert["sqrt_beta"][b]))
+                    cert["sqrt_beta"][b], lam_batch[:, b]))
             return pis[level][i]
 
         for i, m in enumerate(members):
