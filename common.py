@@ -633,12 +633,11 @@ class Stack:
 
     def gradient(self) -> torch.Tensor:
         """The gradient [K, P] of the last backward, laid out like flat; the views' gradients are cleared."""
-        grads = [t.grad.flatten(1) if t.grad is not None else torch.zeros(len(self.flat), t[0].numel())
-                 for layer in self.layers for t in layer]
+        grads = torch.cat([t.grad.flatten(1) for layer in self.layers for t in layer], 1)
         for layer in self.layers:
             for t in layer:
                 t.grad = None
-        return torch.cat(grads, 1)
+        return grads
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         for i, (w, b) in enumerate(self.layers):

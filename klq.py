@@ -161,12 +161,12 @@ def train(runs: common.Members) -> None:
 
     for step in range(1, runs.first.total_steps + 1):
         batch = runs.minibatch(step)  # batch(t): t's rows [M, batch, ...]
-        batch_actions = batch(actions)
+        batch_actions, batch_beta = batch(actions), batch(behavior_probs)
         q_all = q_network(batch(obs))
         with torch.no_grad():
             # pi = softmax of the online Q at s, a constant of the target (as in the source).
             td_target = klq_target(batch(rewards), batch(not_done), target_network(batch(next_obs)), q_all.detach(),
-                                   batch_actions, batch(behavior_probs), gamma, kl_weight, kl_calc)
+                                   batch_actions, batch_beta, gamma, kl_weight, kl_calc)
         q = q_all.gather(-1, batch_actions.unsqueeze(-1)).squeeze(-1)
         loss = (q - td_target).square().mean(1)  # [M]: each member's own mean squared TD error
         loss.sum().backward()
@@ -175,7 +175,7 @@ def train(runs: common.Members) -> None:
 
         if step % 100 == 0:
             with torch.no_grad():
-                reward = kl_reward(q_all.detach(), batch_actions, batch(behavior_probs), kl_weight, kl_calc).mean(1)
+                reward = kl_reward(q_all.detach(), batch_actions, batch_beta, kl_weight, kl_calc).mean(1)
             runs.log(step, {"losses/td_loss": loss, "losses/q_values": q.mean(1), "losses/kl_reward": reward})
         if runs.due(step):
             runs.evaluate(step, [q_network], act, greedy_probs(q_network), common.q_function(q_network))
