@@ -187,9 +187,26 @@ class Pack:
 
 
 
+def fewest_parts(sizes: list[int], max_members: int) -> tuple[int, ...]:
+    """Into how many near-equal parts to split each dimension (epsilons, each value list, seeds) so that the product
+    of the largest parts is at most max_members with the fewest packs (the most members per process: the per-member
+    rate grows with M); among those, the smallest largest pack, then the outer dimensions split first."""
+    def key(parts):
+        largest = math.prod(-(-n // k) for n, k in zip(sizes, parts))
+        return largest > max(1, max_members), math.prod(parts), largest, [-k for k in parts]
+    return min(itertools.product(*[range(1, n + 1) for n in sizes]), key=key)
+
+
+def split_evenly(values: list, parts: int) -> list[list]:
+    """values in `parts` contiguous chunks whose lengths differ by at most one."""
+    q, r = divmod(len(values), parts)
+    bounds = [i * q + min(i, r) for i in range(parts + 1)]
+    return [values[a:b] for a, b in zip(bounds, bounds[1:])]
+
+
 def pack_cells(cells: list[Cell], repo: Path, max_members: int, grid: list[Cell] | None = None) -> list[Pack]:
-    """Every cell in exactly one pack: cells of one task, algorithm and non-member settings share a pack, split (the
-    largest of epsilons, value lists and seeds halved first) until a pack has at most max_members members. A process
+    """Every cell in exactly one pack: cells of one task, algorithm and non-member settings share a pack, split into
+    as few packs of at most max_members members as the grid's dimensions allow (fewest_parts). A process
     trains every combination of its epsilons, values and seeds: where that would include a cell outside the grid
     (grid: all its cells, finished ones too; default: cells), e.g. the per-cell configurations of --cells, the cells
     are first grouped by configuration, then by configuration and epsilon."""
@@ -222,11 +239,7 @@ def pack_cells(cells: list[Cell], repo: Path, max_members: int, grid: list[Cell]
         dims = [list(dict.fromkeys(c.epsilon for c in members)), *[
             list(dict.fromkeys(dict(c.hparams)[k] for c in members)) for k in swept_keys],
             list(dict.fromkeys(c.seed for c in members))]
-        chunks = [[d] for d in dims]  # per dimension, its chunks
-        while math.prod(max(len(x) for x in ch) for ch in chunks) > max(1, max_members):
-            i = max(range(len(chunks)), key=lambda j: max(len(x) for x in chunks[j]))
-            chunks[i] = [half for x in chunks[i] for half in ((x[:(len(x) + 1) // 2], x[(len(x) + 1) // 2:])
-                                                              if len(x) > 1 else (x,))]
+        chunks = [split_evenly(d, k) for d, k in zip(dims, fewest_parts([len(d) for d in dims], max_members))]
         for combo in itertools.product(*chunks):
             eps, seeds, values = set(combo[0]), set(combo[-1]), [set(v) for v in combo[1:-1]]
             inside = [c for c in members if c.epsilon in eps and c.seed in seeds and all(

@@ -240,6 +240,19 @@ def test_packs_hold_every_cell_exactly_once():
     assert len(table1) == 3 * 7 and all(pack.size == 25 for pack in table1)  # one process per task and algorithm
 
 
+def test_packs_are_as_few_as_the_bound_allows():
+    """A sweep is packed into the fewest processes of at most --max-members (the per-member rate grows with M):
+    BRPO-C's 45 configurations x 5 datasets x 5 seeds at 100 members are 15 processes of 75, one dataset each (the
+    former halving made 64 of ~18); 5 datasets x 5 seeds at 10 members are 3 processes, not 4."""
+    grid = run_grid.load_grid_file(BENCH / "paper_sweep_specific.json", list(ALGORITHMS))
+    packs = run_grid.pack_cells(expand_grid(["CartPole-v1"], run_grid.PAPER_EPSILONS, ["brpo_c"], [1, 2, 3, 4, 5],
+                                            grid), BENCH.parent, 100)
+    assert len(packs) == 15 and all(p.size == 75 and len(p.epsilons) == 1 for p in packs)
+    assert run_grid.fewest_parts([5, 5], 10) == (3, 1)
+    assert run_grid.split_evenly([1, 2, 3, 4, 5], 3) == [[1, 2], [3, 4], [5]]
+    assert run_grid.fewest_parts([5, 3, 5], 1) == (5, 3, 5) and run_grid.fewest_parts([5, 3, 5], 75) == (1, 1, 1)
+
+
 # ----------------------------------------------------------------------------------------------
 # CLI errors and dry-run
 # ----------------------------------------------------------------------------------------------
