@@ -190,11 +190,14 @@ class Pack:
 def fewest_parts(sizes: list[int], max_members: int) -> tuple[int, ...]:
     """Into how many near-equal parts to split each dimension (epsilons, each value list, seeds) so that the product
     of the largest parts is at most max_members with the fewest packs (the most members per process: the per-member
-    rate grows with M); among those, the smallest largest pack, then the outer dimensions split first."""
+    rate grows with M); among those, the smallest largest pack, then the outer dimensions split first. Searched over
+    each dimension's distinct largest parts (about 2 sqrt(n) of them, with the fewest parts giving each)."""
+    options = [sorted({-(-n // k) for k in range(1, n + 1)}) for n in sizes]  # each dimension's largest parts
+
     def key(parts):
         largest = math.prod(-(-n // k) for n, k in zip(sizes, parts))
         return largest > max(1, max_members), math.prod(parts), largest, [-k for k in parts]
-    return min(itertools.product(*[range(1, n + 1) for n in sizes]), key=key)
+    return min((tuple(-(-n // c) for n, c in zip(sizes, largest)) for largest in itertools.product(*options)), key=key)
 
 
 def split_evenly(values: list, parts: int) -> list[list]:

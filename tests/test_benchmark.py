@@ -10,6 +10,7 @@ import itertools
 import json
 import math
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -251,6 +252,12 @@ def test_packs_are_as_few_as_the_bound_allows():
     assert run_grid.fewest_parts([5, 5], 10) == (3, 1)
     assert run_grid.split_evenly([1, 2, 3, 4, 5], 3) == [[1, 2], [3, 4], [5]]
     assert run_grid.fewest_parts([5, 3, 5], 1) == (5, 3, 5) and run_grid.fewest_parts([5, 3, 5], 75) == (1, 1, 1)
+    rng = random.Random(0)  # the search over distinct largest parts finds what trying every split finds
+    for _ in range(100):
+        sizes, bound = [rng.randint(1, 12) for _ in range(rng.randint(1, 4))], rng.randint(1, 200)
+        every = itertools.product(*[range(1, n + 1) for n in sizes])
+        feasible = [k for k in every if math.prod(-(-n // p) for n, p in zip(sizes, k)) <= bound]
+        assert math.prod(run_grid.fewest_parts(sizes, bound)) == min(math.prod(k) for k in feasible)
 
 
 # ----------------------------------------------------------------------------------------------
