@@ -609,10 +609,10 @@ def main(args: Args) -> None:
 
 def deploy(runs, step, obs, q_network, confidence, p, unit, levels, certs):
     """Departure 11: per member, the batch's improvement certificate picks the deployed pessimism level among
-    --deploy-pessimism (members sharing a dataset are evaluated together). Returns pessimism [M, 1], deploy_pi [M]
-    and each member's certificate (empty without one)."""
+    --deploy-pessimism (members sharing a dataset are evaluated together, 25 at a time: the arrays are [members, N,
+    |A|] on the batch's N states). Returns pessimism [M, 1], deploy_pi [M], each member's certificate (or {})."""
     pessimism, deploy_pi, certificates = p.pessimism.copy(), np.ones(runs.M, bool), [{} for _ in range(runs.M)]
-    for key, (cert, z, members) in certs.items():
+    for cert, z, members in [(c, z, ms[i:i + 25]) for c, z, ms in certs.values() for i in range(0, len(ms), 25)]:
         members = [m for m in members if runs.alive[m]]
         if cert is None or not members:
             continue
