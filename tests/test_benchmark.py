@@ -256,8 +256,10 @@ def test_packs_are_as_few_as_the_bound_allows():
     for _ in range(100):
         sizes, bound = [rng.randint(1, 12) for _ in range(rng.randint(1, 4))], rng.randint(1, 200)
         every = itertools.product(*[range(1, n + 1) for n in sizes])
-        feasible = [k for k in every if math.prod(-(-n // p) for n, p in zip(sizes, k)) <= bound]
-        assert math.prod(run_grid.fewest_parts(sizes, bound)) == min(math.prod(k) for k in feasible)
+        largest = lambda k: math.prod(-(-n // p) for n, p in zip(sizes, k))  # noqa: E731
+        best = min((math.prod(k), largest(k)) for k in every if largest(k) <= bound)  # fewest, then smallest
+        chosen = run_grid.fewest_parts(sizes, bound)
+        assert (math.prod(chosen), largest(chosen)) == best
 
 
 # ----------------------------------------------------------------------------------------------
