@@ -186,7 +186,6 @@ class Pack:
         return len(self.epsilons) * len(self.seeds) * math.prod(len(v) for v in self.swept.values())
 
 
-
 def fewest_parts(sizes: list[int], max_members: int) -> tuple[int, ...]:
     """Into how many near-equal parts to split each dimension (epsilons, each value list, seeds) so that the product
     of the largest parts is at most max_members with the fewest packs (the most members per process: the per-member

@@ -1071,13 +1071,12 @@ def test_deployment_of_many_members_on_one_dataset(script, datasets, tmp_path):
     """deploy evaluates the members of a dataset 25 at a time (its arrays are [members, N, |A|]): with 27 members,
     the first and the last (the second group) certify and deploy what their single runs do."""
     seeds = [str(s) for s in range(1, 28)]
-    run_dir = lambda name: tmp_path / "runs" / name / "result.json"  # noqa: E731
+    result = lambda name: json.loads((tmp_path / "runs" / name / "result.json").read_text())  # noqa: E731
     proc = run([REPO / script, "--dataset-path", datasets[0.15], "--runs-dir", tmp_path / "runs", "--run-name", "m{seed}",
                 *TINY, "--seeds", *seeds])
     assert proc.returncode == 0, proc.stderr[-3000:]
     for seed in ("1", "27"):
-        member, alone = json.loads(run_dir(f"m{seed}").read_text()), train(script, datasets[0.15], tmp_path, f"a{seed}",
-                                                                             "--seed", seed)
+        member, alone = result(f"m{seed}"), train(script, datasets[0.15], tmp_path, f"a{seed}", "--seed", seed)
         for e, f in zip(member["evaluations"], alone["evaluations"], strict=True):
             assert (e["pessimism"], e["deployed"], e["certified"]) == (f["pessimism"], f["deployed"], f["certified"])
             assert e["return_mean"] == f["return_mean"]
