@@ -167,7 +167,8 @@ def test_paper_sweep_file_matches_paper_ranges():
     cells = expand_grid(["CartPole-v1"], [0.5], algos, [1], grid)
     expected = sum(math.prod(len(v) for v in grid[a].values()) for a in algos)
     assert grid["brpo"]["kappa_max"] == grid["brpo_c"]["kappa_max"] == [0.001, 0.005, 0.02]  # the temperature
-    assert len(cells) == expected == 9 + 135 * 3 + 54 * 3 + 36 + 36 + 36 + 3
+    assert grid["brpo"]["penalty_scale"] == [0.1, 0]  # ours: how far BRPO moves on uniform data
+    assert len(cells) == expected == 9 + 135 * 3 + 108 * 3 + 36 + 36 + 36 + 3
     assert len({c.run_name for c in cells}) == len(cells)
     assert run_grid.unknown_flag_warnings(grid) == []
     # CQL, not in the paper: DQN's ranges and our alpha range, every flag one of cql_discrete.py's
