@@ -191,7 +191,8 @@ def load_runs_csv(path: Path) -> list[Run]:
         except (KeyError, ValueError) as e:
             raise AggregateError(f"--merge-runs file '{path}', line {i}: bad row ({e}); fix or delete that line")
         env = ENV_RENAMES.get(row["env_id"], row["env_id"])
-        config = algo if row["config"] in ("", "default") else f"{algo}__{row['config']}"
+        # the label lists the flags as "k=v, k=v"; run_grid.py's directory names them "k=v,k=v"
+        config = algo if row["config"] in ("", "default") else f"{algo}__{row['config'].replace(', ', ',')}"
         extra = {}
         for k, v in row.items():
             if k not in RUNS_CSV_COLUMNS and k not in ("score_minus_behavior", "eval_se") and v:
@@ -303,6 +304,11 @@ def label_configs(configs: list[Config]) -> None:
         name = configs[0].group.split("/")[-1]
         configs[0].label = name.split("__", 1)[1] if configs[0].group.startswith("dir:") and "__" in name \
             else "default"
+        return
+    if any(not c.runs[0].args and c.group.startswith("dir:") for c in configs):  # runs listed by --merge-runs: label
+        for c in configs:  # every configuration by its directory name (their flags are not known otherwise)
+            name = c.group.split("/")[-1]
+            c.label = name.split("__", 1)[1].replace(",", ", ") if "__" in name else "default"
         return
     params = [c.runs[0].hparams for c in configs]
     keys = sorted({k for p in params for k in p if len({json.dumps(q.get(k), default=str) for q in params}) > 1})

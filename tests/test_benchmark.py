@@ -789,6 +789,32 @@ def test_aggregate_errors(tmp_path, capsys):
     assert "no valid result.json" in capsys.readouterr().err
 
 
+def test_aggregate_merge_runs_with_sweeps_of_several_flags(tmp_path):
+    """A sweep's runs.csv (configurations of several flags) merged with new result files of the same cell: the listed
+    configuration and its new seed are one configuration, a new one (an added flag) is another, each labelled by its
+    flags, and the selection's selected.json gives run_grid.py the flags as they are named."""
+    old, new, out = tmp_path / "old", tmp_path / "new", tmp_path / "out"
+    for root, config, seeds, hp in ((old, "brpo__kappa_max=0.02,mu=0.9", (1, 2), {"kappa_max": 0.02, "mu": 0.9}),
+                                    (old, "brpo__kappa_max=0.001,mu=0.1", (1, 2), {"kappa_max": 0.001, "mu": 0.1}),
+                                    (new, "brpo__kappa_max=0.02,mu=0.9", (3,), {"kappa_max": 0.02, "mu": 0.9}),
+                                    (new, "brpo__kappa_max=0.001,mu=0.1,penalty_scale=0", (1, 2, 3),
+                                     {"kappa_max": 0.001, "mu": 0.1, "penalty_scale": 0.0})):
+        for seed in seeds:
+            score = 300.0 + seed if "penalty_scale" in config else 100.0 + seed
+            write_result(root, "CartPole-v1", 1.0, "brpo", seed, score, config=config, hparams=hp, behavior=21.7)
+    assert aggregate.main([str(old), "--no-plots", "--out", str(tmp_path / "b")]) == 0
+    listed = {r["config"] for r in csv.DictReader(open(tmp_path / "b" / "runs.csv"))}
+    assert listed == {"kappa_max=0.02, mu=0.9", "kappa_max=0.001, mu=0.1"}
+    assert aggregate.main([str(new), "--no-plots", "--merge-runs", str(tmp_path / "b" / "runs.csv"),
+                           "--selection-seeds", "1", "2", "3", "--out", str(out)]) == 0
+    rows = list(csv.DictReader(open(out / "runs.csv")))
+    configs = {r["config"] for r in rows}
+    assert configs == {"kappa_max=0.02, mu=0.9", "kappa_max=0.001, mu=0.1", "kappa_max=0.001, mu=0.1, penalty_scale=0"}
+    assert sorted(r["seed"] for r in rows if r["config"] == "kappa_max=0.02, mu=0.9") == ["1", "2", "3"]
+    cell, = json.loads((out / "selected.json").read_text())["cells"]
+    assert cell["hparams"] == {"kappa_max": 0.001, "mu": 0.1, "penalty_scale": 0}
+
+
 def test_aggregate_merge_runs_keeps_a_grid_growing(tmp_path, capsys):
     """A grid whose result files are gone keeps growing from its runs.csv: merging the old table with new
     result files gives the same cells as aggregating all result files at once, a new result.json replaces
