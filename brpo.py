@@ -280,7 +280,7 @@ def _sweep(vals, gvals, alpha, beta_, k):
         idx_seq, s_seq = [cur], []
         c_cur, w_cur = c[ar, cur], w[ar, cur]
         tol_w = (1e-12 * w.max(1))[:, None]
-        for _ in range(m - 1):  # kinetic sweep of each state's upper envelope of the lines c_m - s w_m
+        for _ in range(m - 1 if k else 0):  # kinetic sweep of each state's upper envelope of lines c_m - s w_m
             dw = w_cur[:, None] - w
             valid = dw > tol_w
             if not valid.any():
@@ -388,7 +388,7 @@ def _solve_mixed(d, c, u, v, k, wbar, best_f, best_lam, lonely, gvec, refine_ray
     hard = ~lonely  # vertex enumeration and envelope sweep
     cand = enumerate_vertices(d[hard])
     cand, vals = _prune(cand, cand @ cuv[hard])
-    cos_t, sin_t = _GRID_RAYS
+    cos_t, sin_t = _GRID_RAYS if k else (_GRID_RAYS[0][:1], _GRID_RAYS[1][:1])  # k = 0: the rays' common start
     for it in range(2):
         f, idx, order, jn, e, sig = _sweep(vals, gvals[gpos], cos_t, sin_t / wbar, k)
         r = int(f.argmax())
@@ -403,7 +403,7 @@ def _solve_mixed(d, c, u, v, k, wbar, best_f, best_lam, lonely, gvec, refine_ray
             if fl > best_f:
                 best_f, best_lam = fl, lam
         uu, vv = (best_lam * u).sum(), (best_lam * v).sum()
-        if it == 1 or (uu <= 0 and vv <= 0):
+        if it == 1 or k == 0 or (uu <= 0 and vv <= 0):  # k = 0: f = C, each state at its LP maximiser is optimal
             break
         cos_t, sin_t = _ray_angles(math.atan2(uu * wbar, vv) + np.asarray(refine_rays))  # the ray through (kV*, kU*)
     return best_lam
