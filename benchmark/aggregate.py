@@ -852,6 +852,14 @@ def write_report(opts, argv, root: Path, runs, skipped, out: Path, final: Path) 
     # one row per run: the per-seed numbers behind the table, with each script's diagnostics (e.g. BRPO's
     # mean lambda, KL(pi || beta) and bound estimate)
     cells = [cell for i in infos for cell in i["cells"].values()]  # with --selection-seeds: the fresh seeds' too
+    if opts.selection_seeds:  # other seeds of configurations not selected (an earlier selection's): kept, by label
+        rest = [r for r in runs
+                if r.seed not in chosen and picked.get((r.env_id, round(r.epsilon, 6), r.algo)) != r.group]
+        label = {c.group: c.label for cell in info["cells"].values() for c in cell.configs}
+        for cell in group_cells(rest)[0].values():
+            for c in cell.configs:
+                c.label = label.get(c.group, c.label)
+            cells.append(cell)
     extra_keys = sorted({k for cell in cells for c in cell.configs for r in c.runs for k in r.extra})
     buf = io.StringIO()
     w = csv.DictWriter(buf, fieldnames=["env_id", "epsilon", "algorithm", "config", "seed", "final_score",

@@ -815,6 +815,28 @@ def test_aggregate_merge_runs_with_sweeps_of_several_flags(tmp_path):
     assert cell["hparams"] == {"kappa_max": 0.001, "mu": 0.1, "penalty_scale": 0}
 
 
+def test_aggregate_merge_runs_keeps_the_fresh_seeds_of_an_earlier_selection(tmp_path):
+    """A configuration selected earlier and run on fresh seeds, then beaten by a configuration added later: its
+    fresh-seed runs stay in runs.csv (under its label) but no longer count as the cell's fresh seeds."""
+    old, new = tmp_path / "old", tmp_path / "new"
+    for root, config, seeds, hp, base in ((old, "brpo__mu=0.9", (1, 2, 6), {"mu": 0.9}, 100.0),
+                                          (old, "brpo__mu=0.1", (1, 2), {"mu": 0.1}, 50.0),
+                                          (new, "brpo__mu=0.1,penalty_scale=0", (1, 2), {"mu": 0.1, "penalty_scale": 0.0}, 300.0)):
+        for seed in seeds:
+            write_result(root, "CartPole-v1", 1.0, "brpo", seed, base + seed, config=config, hparams=hp, behavior=21.7)
+    sel = ["--no-plots", "--selection-seeds", "1", "2"]
+    assert aggregate.main([str(old), *sel, "--out", str(tmp_path / "a")]) == 0
+    assert "106.0" in (tmp_path / "a" / "fresh_seeds.md").read_text()
+    assert aggregate.main([str(new), *sel, "--merge-runs", str(tmp_path / "a" / "runs.csv"), "--out", str(tmp_path / "b")]) == 0
+    rows = list(csv.DictReader(open(tmp_path / "b" / "runs.csv")))
+    assert len(rows) == 7 and {(r["config"], r["seed"]) for r in rows if r["seed"] == "6"} == {("mu=0.9", "6")}
+    assert not (tmp_path / "b" / "fresh_seeds.md").exists()  # the selected configuration has no fresh seed yet
+    assert json.loads((tmp_path / "b" / "selected.json").read_text())["cells"][0]["hparams"]["penalty_scale"] == 0
+    # merged once more, the old fresh-seed run is still there (and still not the cell's)
+    assert aggregate.main([str(new), *sel, "--merge-runs", str(tmp_path / "b" / "runs.csv"), "--out", str(tmp_path / "c")]) == 0
+    assert (tmp_path / "c" / "runs.csv").read_text() == (tmp_path / "b" / "runs.csv").read_text()
+
+
 def test_aggregate_merge_runs_keeps_a_grid_growing(tmp_path, capsys):
     """A grid whose result files are gone keeps growing from its runs.csv: merging the old table with new
     result files gives the same cells as aggregating all result files at once, a new result.json replaces
