@@ -652,6 +652,7 @@ def test_aggregate_selection_seeds_fresh_seeds_and_selected_cells(repo, tmp_path
     assert f"| DQN | 1 / 1 | 1 / 1 | — | {norm(61.5):.2f} / {norm(66.0):.2f} |" in section
     runs = list(csv.DictReader(open(rep / "runs.csv")))
     assert sorted((r["algorithm"], r["config"], r["seed"]) for r in runs if r["seed"] in ("6", "7")) == [
+        ("BRPO-C", "lam=0.25", "6"), ("BRPO-C", "lam=0.25", "7"),  # listed for the record, not counted above
         ("BRPO-C", "lam=0.5", "6"), ("BRPO-C", "lam=0.5", "7"), ("DQN", "default", "6")]
     selected = json.loads((rep / "selected.json").read_text())
     assert selected["selection_seeds"] == [1, 2] and selected["cells"] == [
