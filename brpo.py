@@ -607,12 +607,14 @@ def main(args: Args) -> None:
     common.main(args, check_args, train, run_checkpoint, behavior_network=True, member_flags=MEMBER_FLAGS)
 
 
-def deploy(runs, step, obs, q_network, confidence, p, unit, levels, certs):
+def deploy(runs, step, obs, q_network, confidence, p, unit, groups):
     """Departure 11: per member, the batch's improvement certificate picks the deployed pessimism level among
-    --deploy-pessimism (members sharing a dataset are evaluated together, 25 at a time: the arrays are [members, N,
-    |A|] on the batch's N states). Returns pessimism [M, 1], deploy_pi [M], each member's certificate (or {})."""
+    its --deploy-pessimism levels (members sharing a dataset and levels are evaluated together, 25 at a time: the
+    arrays are [members, N, |A|] on the batch's N states). Returns pessimism [M, 1], deploy_pi [M], each member's
+    certificate (or {})."""
     pessimism, deploy_pi, certificates = p.pessimism.copy(), np.ones(runs.M, bool), [{} for _ in range(runs.M)]
-    for cert, z, members in [(c, z, ms[i:i + 25]) for c, z, ms in certs.values() for i in range(0, len(ms), 25)]:
+    for levels, cert, z, members in [(key[1], c, z, ms[i:i + 25]) for key, (c, z, ms) in groups.items()
+                                     for i in range(0, len(ms), 25)]:
         members = [m for m in members if runs.alive[m]]
         if cert is None or not members:
             continue
@@ -654,16 +656,7 @@ def train(runs: common.Members) -> None:
     log_beta_all, sqrt_beta_all = log_probs(beta_all), sqrt_floored(beta_all)  # once, not per update
     next_beta = runs.tensor("next_behavior_probs")
     mu32 = torch.from_numpy(p.mu.astype(np.float32))
-    certs = {}  # per distinct dataset: its certificate data, z and members
-    for m, a in enumerate(runs.args):
-        if a.epsilon not in certs:
-            rows = beta_all[runs.rows(m)]
-            certs[a.epsilon] = (*common.deployment_certificate(a, runs.data[m], rows, common.behavior_policy(runs.data[m])), [])
-            if certs[a.epsilon][0]:  # once, not at every evaluation
-                certs[a.epsilon][0].update(log_beta=log_probs(certs[a.epsilon][0]["beta"]),
-                                           sqrt_beta=sqrt_floored(certs[a.epsilon][0]["beta"]))
-        certs[a.epsilon][2].append(m)
-    levels = common.deploy_levels(first)
+    groups = common.deployment_groups(runs, beta_all, log_probs, sqrt_floored)  # departure 11
 
     # each member's critic and confidence network side by side (networks 2m and 2m + 1): one batched forward for both
     networks = common.Stack([net for pair in zip(*runs.build(lambda: [QNetwork(runs.obs_dim, runs.n_actions).net,
@@ -723,8 +716,7 @@ def train(runs: common.Members) -> None:
         # --- evaluate ---
         if runs.due(step):
             runs.pause()
-            pessimism, deploy_pi, certificates = deploy(runs, step, obs, q_network, confidence, p, unit.numpy(), levels,
-                                                        certs)
+            pessimism, deploy_pi, certificates = deploy(runs, step, obs, q_network, confidence, p, unit.numpy(), groups)
             actor_state.update(n_updates=step, unit=unit.numpy(), pessimism=pessimism, deploy_pi=deploy_pi)
             runs.evaluate(step, [q_network, confidence], act, extra=[
                 {"deployed": "pi" if deploy_pi[m] else "beta", "pessimism": float(pessimism[m, 0]), **certificates[m]}
@@ -740,10 +732,11 @@ def train(runs: common.Members) -> None:
         "confidence": confidence.state_dict(m, "net."), "n_updates": first.total_steps,
         **common.behavior_spec(runs.data[m]), "deploy_pi": bool(actor_state["deploy_pi"][m]),
         "deploy_pessimism": float(actor_state["pessimism"][m, 0]), "advantage_unit": float(unit[m])})
+    n_episodes = {m: cert and cert["n_episodes"] for cert, _, members in groups.values() for m in members}
     for m in range(M):
         if runs.alive[m]:
-            common.report_certificate(certificates[m], certs[runs.args[m].epsilon][0] and certs[runs.args[m].epsilon][0][
-                "n_episodes"], runs.args[m], actor_state["deploy_pi"][m], float(actor_state["pessimism"][m, 0]))
+            common.report_certificate(certificates[m], n_episodes[m], runs.args[m], actor_state["deploy_pi"][m],
+                                      float(actor_state["pessimism"][m, 0]))
 
 
 if __name__ == "__main__":

@@ -1452,13 +1452,30 @@ def deploy_levels(args: DeployArgs) -> tuple[float, ...]:
 
 
 def deployment_certificate(args: DeployArgs, data: dict, beta: np.ndarray, behavior: BehaviorPolicy):
-    """certificate_data for BRPO's deployed-level rule, and the z of one simultaneous (Bonferroni) lower bound per
-    --deploy-pessimism level: the chosen level's bound holds at the stated confidence."""
+    """certificate_data for BRPO's deployed-level rule (None, with a warning, when the batch cannot give one)."""
     cert, reason = certificate_data(data, beta, args.certificate_gamma, behavior)
     if reason:
         print(f"warning: no improvement certificate: {reason}; " + ("the safety test deploys beta (--no-safety-test "
               "deploys pi uncertified)" if args.safety_test else "pi is deployed uncertified"), flush=True)
-    return cert, statistics.NormalDist().inv_cdf(1.0 - (1.0 - args.certificate_confidence) / len(deploy_levels(args)))
+    return cert
+
+
+def deployment_groups(runs, beta_all: np.ndarray, log_probs, sqrt_floored) -> dict:
+    """The members of one dataset and one list of --deploy-pessimism levels (they may differ between members: --sweep
+    pessimism), with the dataset's certificate data and the z of one simultaneous (Bonferroni) lower bound per level,
+    so that the chosen level's bound holds at the stated confidence: {(epsilon, levels): (cert, z, members)}."""
+    certs, groups = {}, {}
+    for m, a in enumerate(runs.args):
+        if a.epsilon not in certs:  # once per dataset, not at every evaluation
+            certs[a.epsilon] = deployment_certificate(a, runs.data[m], beta_all[runs.rows(m)],
+                                                      behavior_policy(runs.data[m]))
+            if certs[a.epsilon]:
+                certs[a.epsilon].update(log_beta=log_probs(certs[a.epsilon]["beta"]),
+                                        sqrt_beta=sqrt_floored(certs[a.epsilon]["beta"]))
+        levels = deploy_levels(a)
+        z = statistics.NormalDist().inv_cdf(1.0 - (1.0 - a.certificate_confidence) / len(levels))
+        groups.setdefault((a.epsilon, levels), (certs[a.epsilon], z, []))[2].append(m)
+    return groups
 
 
 def report_certificate(c: dict, n_episodes: int, args: DeployArgs, deploy_pi: bool, pessimism: float) -> None:

@@ -1085,6 +1085,27 @@ def test_deployment_of_many_members_on_one_dataset(script, datasets, tmp_path):
 
 
 @pytest.mark.parametrize("script", ["brpo.py", "brpo_c.py"])
+def test_members_of_different_pessimism_deploy_their_own_levels(script, datasets, tmp_path):
+    """--sweep pessimism=0,1 in one process: each member chooses among its own levels ((0,) and (1, 0)), with its own
+    Bonferroni z, exactly as its single run does (the first member's levels once served all)."""
+    flags = ["--kappa-max", "0.01", "--seed", "4"]
+    proc = run([REPO / script, "--dataset-path", datasets[0.15], "--runs-dir", tmp_path / "runs", "--run-name",
+                "p{pessimism}", *TINY, *flags, "--sweep", "pessimism=0,1"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for p in ("0", "1"):
+        member = json.loads((tmp_path / "runs" / f"p{p}" / "result.json").read_text())
+        alone = train(script, datasets[0.15], tmp_path, f"a{p}", *flags, "--pessimism", p)
+        assert {e["pessimism"] for e in member["evaluations"]} <= {0.0, float(p)}
+        for e, f in zip(member["evaluations"], alone["evaluations"], strict=True):
+            assert (e["pessimism"], e["deployed"], e["certified"], e["return_mean"]) == (
+                f["pessimism"], f["deployed"], f["certified"], f["return_mean"])
+            for key in ("certificate", "certificate_lcb"):
+                assert e[key] == pytest.approx(f[key], rel=1e-6, abs=1e-9)
+    assert any(e["pessimism"] == 1.0 for e in json.loads((tmp_path / "runs" / "p1" / "result.json").read_text())[
+        "evaluations"])  # the member trained at 1 does deploy level 1 (never offered it before)
+
+
+@pytest.mark.parametrize("script", ["brpo.py", "brpo_c.py"])
 def test_safety_test_deploys_beta_until_certified(script, datasets, tmp_path):
     """On eps = 0 data pi = beta exactly (rho keeps beta's zeros): there is no improvement to certify, so
     --safety-test deploys beta and records it; by default (the paper) pi is deployed. Training is the same."""
