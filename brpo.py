@@ -41,7 +41,7 @@ import common
 
 # --sweep may vary these (and --learning-rate, --gamma, --tau, --target-update-frequency) between members
 MEMBER_FLAGS = ("confidence_learning_rate", "mu", "kappa_max", "kappa_decay", "kappa_scale", "pessimism",
-                "penalty_scale")
+                "penalty_scale", "cql_alpha")
 
 
 @dataclass
@@ -62,6 +62,8 @@ class Args(common.DeployArgs):  # DeployArgs: --deploy-pessimism and the certifi
     """constant factor on kappa (ours, departure 4): with --kappa-max inf, the paper's kappa(s) at a usable scale"""
     pessimism: float = 1.0
     """lower W(s,a) by pessimism / sqrt(beta(a|s)) advantage units in rho and in lambda-bar* (departures 6, 7; 0: paper)"""
+    cql_alpha: float = 0.0
+    """weight of CQL(H)'s term logsumexp_a Q(s, a) - Q(s, a_data) in the critic's loss (departure 13; 0: the paper)"""
     advantage_unit: bool = True
     """measure W in units of the critic's mean action gap in the relative softmax (departure 5; off: raw W)"""
     penalty_one_minus_mu: bool = True
@@ -81,6 +83,7 @@ def check_args(args: Args) -> None:
     require(0.0 < args.kappa_decay <= 1.0, f"--kappa-decay must lie in (0, 1], got {args.kappa_decay}")
     # in advantage units: 1e3 already pins rho to beta's most frequent action
     require(0.0 <= args.pessimism <= 1e3, f"--pessimism must lie in [0, 1000], got {args.pessimism}")
+    require(0.0 <= args.cql_alpha < math.inf, f"--cql-alpha must be a finite number >= 0, got {args.cql_alpha}")
 
 
 # ---- Networks: FC(32)-FC(16), the architecture of every network in the paper
@@ -668,6 +671,7 @@ def train(runs: common.Members) -> None:
                                                 1).view(-1, 1))
     k_penalty = (penalty_weight(B, p.gamma, p.mu, p.penalty_one_minus_mu) * p.penalty_scale)[:, 0]  # dep. 8, 9
     tau, period = runs.column("tau"), runs.column("target_update_frequency", torch.long)
+    cql_alpha = runs.column("cql_alpha")  # [M, 1]
     act, actor_state = make_actor(runs.behavior(), q_network, confidence, p, first.eval_greedy)
     certificates, unit = [{} for _ in range(M)], None
 
@@ -688,6 +692,8 @@ def train(runs: common.Members) -> None:
                              "lower --learning-rate")
         q_taken = q_all.gather(-1, batch(actions).unsqueeze(-1)).squeeze(-1)
         td_loss = (q_taken - td_target).square().mean(1)  # [M]: each member's mean squared TD error
+        # departure 13: a conservative critic, CQL(H)'s alpha E_s[logsumexp_a Q(s, a) - Q(s, a_data)] (Kumar et al. eq. 4)
+        critic_loss = td_loss + (cql_alpha * (torch.logsumexp(q_all, -1) - q_taken)).mean(1) if cql_alpha.any() else td_loss
         q_max = q64.amax(-1)
         batch_unit = advantage_unit(q64, q_max)  # departure 5
         unit = batch_unit if step == 1 else (1.0 - UNIT_RATE) * unit + UNIT_RATE * batch_unit
@@ -704,7 +710,7 @@ def train(runs: common.Members) -> None:
                                                                                               w_solver, 0.0), k_penalty)
         confidence_loss, grad = confidence_fit(lam_np, d, beta, rho, beta + lam_star * d)
 
-        torch.autograd.backward((td_loss.sum(), lam_tilde), (None, torch.from_numpy(grad).float()))
+        torch.autograd.backward((critic_loss.sum(), lam_tilde), (None, torch.from_numpy(grad).float()))
         optimizer.step()
         common.soft_update(step, target_network, q_network, period, tau)
 

@@ -35,7 +35,7 @@ from common import load_checkpoint
 
 
 # --sweep may vary these (and --learning-rate, --gamma, --tau, --target-update-frequency) between members
-MEMBER_FLAGS = ("lam", "mu", "kappa_max", "kappa_decay", "kappa_scale", "pessimism")
+MEMBER_FLAGS = ("lam", "mu", "kappa_max", "kappa_decay", "kappa_scale", "pessimism", "cql_alpha")
 
 
 @dataclass
@@ -56,6 +56,8 @@ class Args(common.DeployArgs):  # DeployArgs: --deploy-pessimism and the certifi
     """constant factor on kappa (ours, departure 4): with --kappa-max inf, the paper's kappa(s) at a usable scale"""
     pessimism: float = 1.0
     """lower W(s,a) by pessimism / sqrt(beta(a|s)) advantage units in rho (departure 6; 0: the paper)"""
+    cql_alpha: float = 0.0
+    """weight of CQL(H)'s term logsumexp_a Q(s, a) - Q(s, a_data) in the critic's loss (departure 13; 0: the paper)"""
     advantage_unit: bool = True
     """measure W in units of the critic's mean action gap in the relative softmax (departure 5; off: raw W)"""
 
@@ -70,6 +72,7 @@ def check_args(args: Args) -> None:
     require(0.0 < args.kappa_decay <= 1.0, f"--kappa-decay must lie in (0, 1], got {args.kappa_decay}")
     # in advantage units: 1e3 already pins rho to beta's most frequent action
     require(0.0 <= args.pessimism <= 1e3, f"--pessimism must lie in [0, 1000], got {args.pessimism}")
+    require(0.0 <= args.cql_alpha < math.inf, f"--cql-alpha must be a finite number >= 0, got {args.cql_alpha}")
 
 
 # ---- Networks: FC(32)-FC(16), the architecture of every network in the paper; a constant confidence
@@ -293,6 +296,7 @@ def train(runs: common.Members) -> None:
     target_network = q_network.copy()
     critic_optimizer = common.Adam(q_network, runs.column("learning_rate"))
     tau, period = runs.column("tau"), runs.column("target_update_frequency", torch.long)
+    cql_alpha = runs.column("cql_alpha")  # [M, 1]
     act, actor_state = make_actor(runs.behavior(), q_network, confidence, p, first.eval_greedy)
     certificates, unit = [{} for _ in range(M)], None
 
@@ -312,10 +316,12 @@ def train(runs: common.Members) -> None:
                              "lower --learning-rate")
         q_taken = q_all.gather(-1, batch(actions).unsqueeze(-1)).squeeze(-1)
         td_loss = (q_taken - td_target).square().mean(1)  # [M]: each member's mean squared TD error
+        # departure 13: a conservative critic, CQL(H)'s alpha E_s[logsumexp_a Q(s, a) - Q(s, a_data)] (Kumar et al. eq. 4)
+        critic_loss = td_loss + (cql_alpha * (torch.logsumexp(q_all, -1) - q_taken)).mean(1) if cql_alpha.any() else td_loss
         q_max = q64.amax(-1)
         batch_unit = advantage_unit(q64, q_max)  # departure 5
         unit = batch_unit if step == 1 else (1.0 - UNIT_RATE) * unit + UNIT_RATE * batch_unit
-        td_loss.sum().backward()
+        critic_loss.sum().backward()
         critic_optimizer.step()
         common.soft_update(step, target_network, q_network, period, tau)
 

@@ -841,7 +841,7 @@ def test_brpo_c_differs_only_in_confidence():
     for needle in ("next_v = mixed_value(next_q, batch(next_beta), mu32", "td_target = torch.addcmul(batch(rewards), next_v",
                    "common.soft_update(step, target_network, q_network, period, tau)", "runs.log(step, {\"charts/deployed_pi\": deploy_pi",
                    "level, certificates[m] = common.choose_level(", "unit = batch_unit if step == 1",
-                   "td_loss = (q_taken - td_target).square().mean(1)"):
+                   "td_loss = (q_taken - td_target).square().mean(1)", "critic_loss = td_loss + (cql_alpha"):
         line = next(line for line in brpo_src if needle in line)
         assert line in c_src
 
@@ -890,7 +890,8 @@ def test_deployed_levels_follow_the_trained_pessimism():
 @pytest.mark.parametrize("script,flag,value", [("brpo.py", "mu", 1.5), ("brpo.py", "kappa_decay", 0.0),
                                                ("brpo.py", "kappa_max", -1.0), ("brpo.py", "kappa_scale", 0.0),
                                                ("brpo_c.py", "kappa_scale", float("inf")), ("brpo.py", "pessimism", -1.0), ("brpo.py", "confidence_learning_rate", 0.0),
-                                               ("brpo.py", "penalty_scale", -0.1),
+                                               ("brpo.py", "penalty_scale", -0.1), ("brpo_c.py", "cql_alpha", -0.1),
+                                               ("brpo.py", "cql_alpha", float("inf")),
                                                ("brpo_c.py", "lam", 2.0), ("brpo.py", "certificate_confidence", 1.0),
                                                ("brpo_c.py", "certificate_gamma", 1.5), ("brpo.py", "deploy_pessimism", ()),
                                                ("brpo_c.py", "deploy_pessimism", (1.0, -0.5)),
@@ -1103,6 +1104,22 @@ def test_members_of_different_pessimism_deploy_their_own_levels(script, datasets
                 assert e[key] == pytest.approx(f[key], rel=1e-6, abs=1e-9)
     assert any(e["pessimism"] == 1.0 for e in json.loads((tmp_path / "runs" / "p1" / "result.json").read_text())[
         "evaluations"])  # the member trained at 1 does deploy level 1 (never offered it before)
+
+
+@pytest.mark.parametrize("script", ["brpo.py", "brpo_c.py"])
+def test_conservative_critic_members(script, datasets, tmp_path):
+    """--cql-alpha (departure 13) as a member flag: each member of --sweep cql_alpha=0,1 is its single run, and the
+    conservative member's critic values at the batch's actions differ from the paper's critic's."""
+    proc = run([REPO / script, "--dataset-path", datasets[0.15], "--runs-dir", tmp_path / "runs", "--run-name",
+                "c{cql_alpha}", *TINY, "--seed", "2", "--sweep", "cql_alpha=0,1", "--save-model"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    weights = {}
+    for alpha in ("0", "1"):
+        member = json.loads((tmp_path / "runs" / f"c{alpha}" / "result.json").read_text())
+        alone = train(script, datasets[0.15], tmp_path, f"a{alpha}", "--seed", "2", "--cql-alpha", alpha)
+        assert [e["return_mean"] for e in member["evaluations"]] == [e["return_mean"] for e in alone["evaluations"]]
+        weights[alpha] = torch.load(tmp_path / "runs" / f"c{alpha}" / "model.pt", weights_only=False)["q_network"]
+    assert any(not torch.equal(weights["0"][k], weights["1"][k]) for k in weights["0"])
 
 
 @pytest.mark.parametrize("script", ["brpo.py", "brpo_c.py"])
