@@ -616,7 +616,7 @@ def deploy(runs, step, obs, q_network, confidence, p, unit, groups):
     arrays are [members, N, |A|] on the batch's N states). Returns pessimism [M, 1], deploy_pi [M], each member's
     certificate (or {})."""
     pessimism, deploy_pi, certificates = p.pessimism.copy(), np.ones(runs.M, bool), [{} for _ in range(runs.M)]
-    for levels, cert, z, members in [(key[1], c, z, ms[i:i + 25]) for key, (c, z, ms) in groups.items()
+    for levels, cert, z, members in [(levels, c, z, ms[i:i + 25]) for (_, levels), (c, z, ms) in groups.items()
                                      for i in range(0, len(ms), 25)]:
         members = [m for m in members if runs.alive[m]]
         if cert is None or not members:
@@ -672,6 +672,7 @@ def train(runs: common.Members) -> None:
     k_penalty = (penalty_weight(B, p.gamma, p.mu, p.penalty_one_minus_mu) * p.penalty_scale)[:, 0]  # dep. 8, 9
     tau, period = runs.column("tau"), runs.column("target_update_frequency", torch.long)
     cql_alpha = runs.column("cql_alpha")  # [M, 1]
+    cql_on = bool(cql_alpha.any())  # once: the paper's critic (every alpha 0) skips the term
     act, actor_state = make_actor(runs.behavior(), q_network, confidence, p, first.eval_greedy)
     certificates, unit = [{} for _ in range(M)], None
 
@@ -693,7 +694,7 @@ def train(runs: common.Members) -> None:
         q_taken = q_all.gather(-1, batch(actions).unsqueeze(-1)).squeeze(-1)
         td_loss = (q_taken - td_target).square().mean(1)  # [M]: each member's mean squared TD error
         # departure 13: a conservative critic, CQL(H)'s alpha E_s[logsumexp_a Q(s, a) - Q(s, a_data)] (Kumar et al. eq. 4)
-        critic_loss = td_loss + (cql_alpha * (torch.logsumexp(q_all, -1) - q_taken)).mean(1) if cql_alpha.any() else td_loss
+        critic_loss = td_loss + (cql_alpha * (torch.logsumexp(q_all, -1) - q_taken)).mean(1) if cql_on else td_loss
         q_max = q64.amax(-1)
         batch_unit = advantage_unit(q64, q_max)  # departure 5
         unit = batch_unit if step == 1 else (1.0 - UNIT_RATE) * unit + UNIT_RATE * batch_unit
