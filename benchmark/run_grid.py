@@ -296,8 +296,14 @@ def parse_sweep(spec: str, algos: list[str]) -> dict[str, dict[str, list]]:
     return {a: {norm_key(key): vals} for a in targets}
 
 
-def load_grid_file(path: Path, algos: list[str]) -> dict[str, dict[str, list]]:
-    """JSON grid file: {"algorithms": {"<algo>|*": {"<flag>": [values, ...], ...}, ...}}."""
+def param_blocks(params) -> list[dict]:
+    """An algorithm's grid entry: one block {flag: [values]}, the product of its lists, or a list of blocks, the
+    union of their products (e.g. a second part of a sweep that fixes other flags)."""
+    return [params] if isinstance(params, dict) else list(params)
+
+
+def load_grid_file(path: Path, algos: list[str]) -> dict[str, list[dict[str, list]]]:
+    """JSON grid file: {"algorithms": {"<algo>|*": {"<flag>": [values, ...], ...} or [{...}, {...}], ...}}."""
     try:
         data = json.loads(Path(path).read_text())
     except FileNotFoundError:
@@ -307,16 +313,17 @@ def load_grid_file(path: Path, algos: list[str]) -> dict[str, dict[str, list]]:
     table = data.get("algorithms") if isinstance(data, dict) else None
     if not isinstance(table, dict):
         raise GridError(f"grid file '{path}' has no \"algorithms\" object")
-    grid: dict[str, dict[str, list]] = {}
+    entries = []
     for name, params in table.items():
-        if not isinstance(params, dict):
-            raise GridError(f"grid file '{path}': entry for '{name}' must be an object of flag -> list of values")
-        targets = algos if name in ("all", "*") else [canonical_algo(name)]
-        for a in targets:
-            for key, values in params.items():
-                grid.setdefault(a, {})[norm_key(key)] = check_values(values if isinstance(values, list) else [values],
-                                                                     f"grid file '{path}', {name}.{key}")
-    return grid
+        if not (isinstance(params, dict) or isinstance(params, list) and params
+                and all(isinstance(b, dict) for b in params)):
+            raise GridError(f"grid file '{path}': entry for '{name}' must be an object of flag -> list of values, "
+                            "or a non-empty list of such objects")
+        blocks = [{norm_key(key): check_values(values if isinstance(values, list) else [values],
+                                               f"grid file '{path}', {name}.{key}") for key, values in block.items()}
+                  for block in param_blocks(params)]
+        entries.append({a: blocks for a in (algos if name in ("all", "*") else [canonical_algo(name)])})
+    return merge_grids(*entries)
 
 
 def load_cells(path: Path, seeds: list[int]) -> list[Cell]:
@@ -357,33 +364,34 @@ def check_values(values: list, where: str) -> list:
     return values
 
 
-def merge_grids(*grids: dict[str, dict[str, list]]) -> dict[str, dict[str, list]]:
-    merged: dict[str, dict[str, list]] = {}
+def merge_grids(*grids: dict) -> dict[str, list[dict[str, list]]]:
+    """Later grids set their flags in every block of earlier ones (a block per pair of blocks)."""
+    merged: dict[str, list[dict[str, list]]] = {}
     for grid in grids:
         for algo, params in grid.items():
-            merged.setdefault(algo, {}).update(params)
+            merged[algo] = [{**a, **b} for a in merged.get(algo, [{}]) for b in param_blocks(params)]
     return merged
 
 
-def expand_grid(envs, epsilons, algos, seeds, grid: dict[str, dict[str, list]] | None = None) -> list[Cell]:
+def expand_grid(envs, epsilons, algos, seeds, grid: dict | None = None) -> list[Cell]:
     """All cells, in a stable order (env, epsilon, algorithm, configuration, seed), without duplicates."""
     grid = grid or {}
     cells: list[Cell] = []
     seen: set[str] = set()
     for env_id, eps, algo in itertools.product(envs, epsilons, algos):
-        params = grid.get(algo, {})
-        keys = sorted(params)
-        for key in keys:
-            if key in RESERVED_FLAGS:
-                raise GridError(f"'{key}' defines the grid cell and cannot be swept")
-        value_lists = [list(dict.fromkeys(params[k])) for k in keys]  # dedupe, keep order
-        for combo in itertools.product(*value_lists):
-            hp = tuple(zip(keys, combo))
-            for seed in seeds:
-                cell = Cell(env_id, float(eps), algo, int(seed), hp)
-                if cell.run_name not in seen:
-                    seen.add(cell.run_name)
-                    cells.append(cell)
+        for params in param_blocks(grid.get(algo, {})):
+            keys = sorted(params)
+            for key in keys:
+                if key in RESERVED_FLAGS:
+                    raise GridError(f"'{key}' defines the grid cell and cannot be swept")
+            value_lists = [list(dict.fromkeys(params[k])) for k in keys]  # dedupe, keep order
+            for combo in itertools.product(*value_lists):
+                hp = tuple(zip(keys, combo))
+                for seed in seeds:
+                    cell = Cell(env_id, float(eps), algo, int(seed), hp)
+                    if cell.run_name not in seen:
+                        seen.add(cell.run_name)
+                        cells.append(cell)
     return cells
 
 
@@ -411,13 +419,13 @@ def script_flags(script: Path) -> set[str] | None:
     return fields(args) if args is not None else None
 
 
-def unknown_flag_warnings(grid: dict[str, dict[str, list]], repo: Path | None = None) -> list[str]:
+def unknown_flag_warnings(grid: dict, repo: Path | None = None) -> list[str]:
     repo = Path(repo) if repo else Path(__file__).resolve().parent.parent
     out = []
     for algo, params in grid.items():
         script = ALGORITHMS[algo][0]
         known = script_flags(repo / script)
-        for key in params:
+        for key in dict.fromkeys(k for block in param_blocks(params) for k in block):
             if known is not None and key not in known:
                 out.append(f"--{key.replace('_', '-')} is not a flag of {script}")
     return out
@@ -808,12 +816,13 @@ def make_parser() -> argparse.ArgumentParser:
     g.add_argument("--algos", nargs="+", default=list(PAPER_ALGORITHMS), help="algorithms: " + ", ".join(ALGORITHMS))
     g.add_argument("--seeds", nargs="+", type=int, default=list(PAPER_SEEDS), help="seeds")
     g.add_argument("--sweep", action="append", default=[], metavar="ALGO:KEY=V1,V2",
-                   help="sweep a flag for one algorithm ('all:' for every algorithm); repeatable")
+                   help="sweep a flag for one algorithm ('all:' for every algorithm), in every block of --grid; repeatable")
     g.add_argument("--cells", type=Path, default=None, metavar="SELECTED_JSON",
                    help="run exactly these (task, epsilon, algorithm, configuration) cells for --seeds, e.g. the "
                         "selected.json of aggregate.py --selection-seeds (instead of --envs/--epsilons/--algos/--grid)")
     g.add_argument("--grid", type=Path, default=None,
-                   help="JSON hyperparameter grid file, e.g. benchmark/paper_sweep.json")
+                   help="JSON hyperparameter grid file, e.g. benchmark/paper_sweep.json (an algorithm's entry is one "
+                        "product of value lists or a list of them, their union)")
     s = p.add_argument_group("settings passed to every script (omitted = the script's default)")
     s.add_argument("--total-steps", type=int, default=None)
     s.add_argument("--eval-frequency", type=int, default=None)

@@ -160,23 +160,52 @@ def test_sweep_expansion_counts_and_dedup():
 def test_paper_sweep_file_matches_paper_ranges():
     algos = list(PAPER_ALGORITHMS)
     grid = run_grid.load_grid_file(BENCH / "paper_sweep.json", algos)
-    assert grid["brpo_c"]["lam"] == [0.25, 0.33, 0.5, 0.66, 0.75]
-    assert grid["brpo"]["confidence_learning_rate"] == [0.0002, 0.0001]
-    assert grid["dqn"]["target_update_frequency"] == [150, 500, 1500]
-    assert grid["klq"]["kl_weight"] == [0.01, 0.03, 0.1, 0.3]
+    (brpo_c,), (brpo, brpo_cql), (dqn,) = grid["brpo_c"], grid["brpo"], grid["dqn"]
+    assert brpo_c["lam"] == [0.25, 0.33, 0.5, 0.66, 0.75]
+    assert brpo["confidence_learning_rate"] == [0.0002, 0.0001]
+    assert dqn["target_update_frequency"] == [150, 500, 1500]
+    assert grid["klq"][0]["kl_weight"] == [0.01, 0.03, 0.1, 0.3]
     cells = expand_grid(["CartPole-v1"], [0.5], algos, [1], grid)
-    expected = sum(math.prod(len(v) for v in grid[a].values()) for a in algos)
-    assert grid["brpo"]["kappa_max"] == grid["brpo_c"]["kappa_max"] == [0.001, 0.005, 0.02]  # the temperature
-    assert grid["brpo"]["penalty_scale"] == [0.1, 0]  # ours: how far BRPO moves on uniform data
-    assert len(cells) == expected == 9 + 135 * 3 + 108 * 3 + 36 + 36 + 36 + 3
+    expected = sum(math.prod(len(v) for v in block.values()) for a in algos for block in grid[a])
+    assert brpo["kappa_max"] == brpo_c["kappa_max"] == [0.001, 0.005, 0.02]  # the temperature
+    assert brpo["penalty_scale"] == [0.1, 0]  # ours: how far BRPO moves on uniform data
+    # ours, BRPO's second block: a conservative critic without the pessimism term, the rest of the first block
+    assert {k: v for k, v in brpo_cql.items() if k not in ("cql_alpha", "pessimism", "kappa_max")} == {
+        k: v for k, v in brpo.items() if k != "kappa_max"}
+    assert (brpo_cql["cql_alpha"], brpo_cql["pessimism"], brpo_cql["kappa_max"]) == ([0.1], [0], [0.001])
+    assert len(cells) == expected == 9 + 135 * 3 + (108 + 36) * 3 + 36 + 36 + 36 + 3
     assert len({c.run_name for c in cells}) == len(cells)
     assert run_grid.unknown_flag_warnings(grid) == []
     # CQL, not in the paper: DQN's ranges and our alpha range, every flag one of cql_discrete.py's
     grid = run_grid.load_grid_file(BENCH / "paper_sweep.json", list(ALGORITHMS))
-    assert {k: v for k, v in grid["cql"].items() if k != "cql_alpha"} == grid["dqn"]
-    assert grid["cql"]["cql_alpha"] == [0.1, 0.5, 1.0, 2.0, 5.0]
+    assert {k: v for k, v in grid["cql"][0].items() if k != "cql_alpha"} == grid["dqn"][0]
+    assert grid["cql"][0]["cql_alpha"] == [0.1, 0.5, 1.0, 2.0, 5.0]
     assert len(expand_grid(["CartPole-v1"], [0.5], ["cql"], [1], grid)) == 9 * 5
     assert run_grid.unknown_flag_warnings(grid) == []
+    # the specific part: the same blocks without the learning rate and target period
+    specific = run_grid.load_grid_file(BENCH / "paper_sweep_specific.json", list(ALGORITHMS))
+    assert specific["brpo"] == [{k: v for k, v in b.items() if k not in ("learning_rate", "target_update_frequency")}
+                                for b in grid["brpo"]]
+    assert len(expand_grid(["CartPole-v1"], [0.5], list(ALGORITHMS), [1], specific)) == 112
+
+
+def test_grid_file_blocks_are_a_union(tmp_path):
+    """An algorithm's entry may be a list of products (their union, duplicates once); a --sweep or a '*' entry
+    sets its flag in every block; anything else in the list is refused with one line."""
+    f = tmp_path / "g.json"
+    f.write_text(json.dumps({"algorithms": {"brpo": [{"mu": [0.1, 0.9], "kappa_max": [0.001]},
+                                                     {"mu": [0.9], "kappa_max": [0.001]}, {"cql_alpha": [0.1, 1]}],
+                                            "*": {"learning_rate": [0.001]}}}))
+    grid = run_grid.load_grid_file(f, ["brpo", "dqn"])
+    assert grid["dqn"] == [{"learning_rate": [0.001]}] and all(b["learning_rate"] == [0.001] for b in grid["brpo"])
+    cells = expand_grid(["CartPole-v1"], [0.5], ["brpo"], [1, 2], grid)
+    assert len(cells) == (2 + 2) * 2 == len({c.run_name for c in cells})
+    swept = run_grid.merge_grids(grid, run_grid.parse_sweep("brpo:penalty_scale=0,0.1", ["brpo"]))
+    assert len(expand_grid(["CartPole-v1"], [0.5], ["brpo"], [1], swept)) == 4 * 2
+    for bad in ([], [{"mu": [0.1]}, [0.5]], [{"mu": []}]):
+        f.write_text(json.dumps({"algorithms": {"brpo": bad}}))
+        with pytest.raises(run_grid.GridError, match="brpo"):
+            run_grid.load_grid_file(f, ["brpo"])
 
 
 def test_default_grid_is_the_papers_seven_and_cql_is_known():
