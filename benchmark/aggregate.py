@@ -317,6 +317,16 @@ def label_configs(configs: list[Config]) -> None:
         c.label = label or c.group.split("/")[-1]
 
 
+def run_label(c: Config) -> str:
+    """A configuration's name in runs.csv: its flags as run_grid.py names its directory, the same whichever other
+    configurations share the cell (label_configs' labels depend on them, so a configuration's selection-seed and
+    fresh-seed runs, reported apart, would otherwise be listed under two names and not merge back as one)."""
+    if not c.group.startswith("dir:"):
+        return c.label
+    name = c.group.split("/")[-1]
+    return name.split("__", 1)[1].replace(",", ", ") if "__" in name else "default"
+
+
 # --------------------------------------------------------------------------------------------
 # table
 # --------------------------------------------------------------------------------------------
@@ -852,14 +862,10 @@ def write_report(opts, argv, root: Path, runs, skipped, out: Path, final: Path) 
     # one row per run: the per-seed numbers behind the table, with each script's diagnostics (e.g. BRPO's
     # mean lambda, KL(pi || beta) and bound estimate)
     cells = [cell for i in infos for cell in i["cells"].values()]  # with --selection-seeds: the fresh seeds' too
-    if opts.selection_seeds:  # other seeds of configurations not selected (an earlier selection's): kept, by label
+    if opts.selection_seeds:  # other seeds of configurations not selected (an earlier selection's): kept
         rest = [r for r in runs
                 if r.seed not in chosen and picked.get((r.env_id, round(r.epsilon, 6), r.algo)) != r.group]
-        label = {c.group: c.label for cell in info["cells"].values() for c in cell.configs}
-        for cell in group_cells(rest)[0].values():
-            for c in cell.configs:
-                c.label = label.get(c.group, c.label)
-            cells.append(cell)
+        cells.extend(group_cells(rest)[0].values())
     extra_keys = sorted({k for cell in cells for c in cell.configs for r in c.runs for k in r.extra})
     buf = io.StringIO()
     w = csv.DictWriter(buf, fieldnames=["env_id", "epsilon", "algorithm", "config", "seed", "final_score",
@@ -870,7 +876,7 @@ def write_report(opts, argv, root: Path, runs, skipped, out: Path, final: Path) 
             for r in c.runs:
                 beh = r.behavior_return
                 w.writerow({"env_id": cell.env_id, "epsilon": fmt_value(cell.epsilon), "algorithm": LABELS[cell.algo],
-                            "config": c.label, "seed": r.seed, "final_score": f"{r.final_score:.4f}",
+                            "config": run_label(c), "seed": r.seed, "final_score": f"{r.final_score:.4f}",
                             "behavior_return": "" if beh is None else f"{beh:.4f}",
                             "score_minus_behavior": "" if beh is None else f"{r.final_score - beh:.4f}",
                             "eval_se": "" if r.eval_se is None else f"{r.eval_se:.4f}",

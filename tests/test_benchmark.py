@@ -867,6 +867,32 @@ def test_aggregate_merge_runs_keeps_the_fresh_seeds_of_an_earlier_selection(tmp_
     assert (tmp_path / "c" / "runs.csv").read_text() == (tmp_path / "b" / "runs.csv").read_text()
 
 
+def test_aggregate_runs_csv_names_a_configuration_alike_on_every_seed(tmp_path):
+    """runs.csv lists a configuration under one name on the selection and the fresh seeds (its directory's flags,
+    not the report's label, which depends on the cell's other configurations), so the three tasks' runs.csv merged
+    into one report find every selected configuration's fresh seeds again."""
+    res = tmp_path / "res"
+    for config, hp, base in (("brpo__mu=0.1", {"mu": 0.1, "pessimism": 1.0}, 100.0),
+                             ("brpo__mu=0.1,pessimism=0", {"mu": 0.1, "pessimism": 0.0}, 50.0)):
+        for seed in (1, 2) + ((6, 7) if base == 100.0 else ()):
+            write_result(res, "CartPole-v1", 1.0, "brpo", seed, base + seed, config=config, hparams=hp, behavior=21.7)
+    sel = ["--no-plots", "--selection-seeds", "1", "2"]
+    assert aggregate.main([str(res), *sel, "--out", str(tmp_path / "a")]) == 0
+    assert "pessimism=1" in (tmp_path / "a" / "table1.md").read_text()  # the report's label: the flag that differs
+    rows = list(csv.DictReader(open(tmp_path / "a" / "runs.csv")))
+    assert sorted((r["config"], r["seed"]) for r in rows) == [("mu=0.1", "1"), ("mu=0.1", "2"), ("mu=0.1", "6"),
+        ("mu=0.1", "7"), ("mu=0.1, pessimism=0", "1"), ("mu=0.1, pessimism=0", "2")]
+    (tmp_path / "none").mkdir()
+    assert aggregate.main([str(tmp_path / "none"), *sel, "--merge-runs", str(tmp_path / "a" / "runs.csv"),
+                           "--out", str(tmp_path / "b")]) == 0
+    fresh = (tmp_path / "b" / "fresh_seeds.md").read_text()
+    assert table_row(fresh, "CartPole-v1-1.00")[2].startswith("106.5 ± 0.7")
+    # merged with its own result files, every run is found once
+    assert aggregate.main([str(res), *sel, "--merge-runs", str(tmp_path / "a" / "runs.csv"),
+                           "--out", str(tmp_path / "c")]) == 0
+    assert (tmp_path / "c" / "runs.csv").read_text() == (tmp_path / "a" / "runs.csv").read_text()
+
+
 def test_aggregate_merge_runs_keeps_a_grid_growing(tmp_path, capsys):
     """A grid whose result files are gone keeps growing from its runs.csv: merging the old table with new
     result files gives the same cells as aggregating all result files at once, a new result.json replaces
