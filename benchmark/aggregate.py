@@ -307,8 +307,7 @@ def label_configs(configs: list[Config]) -> None:
         return
     if any(not c.runs[0].args and c.group.startswith("dir:") for c in configs):  # runs listed by --merge-runs: label
         for c in configs:  # every configuration by its directory name (their flags are not known otherwise)
-            name = c.group.split("/")[-1]
-            c.label = name.split("__", 1)[1].replace(",", ", ") if "__" in name else "default"
+            c.label = dir_flags(c.group)
         return
     params = [c.runs[0].hparams for c in configs]
     keys = sorted({k for p in params for k in p if len({json.dumps(q.get(k), default=str) for q in params}) > 1})
@@ -317,14 +316,17 @@ def label_configs(configs: list[Config]) -> None:
         c.label = label or c.group.split("/")[-1]
 
 
-def run_label(c: Config) -> str:
-    """A configuration's name in runs.csv: its flags as run_grid.py names its directory, the same whichever other
-    configurations share the cell (label_configs' labels depend on them, so a configuration's selection-seed and
-    fresh-seed runs, reported apart, would otherwise be listed under two names and not merge back as one)."""
-    if not c.group.startswith("dir:"):
-        return c.label
-    name = c.group.split("/")[-1]
+def dir_flags(group: str) -> str:
+    """The flags run_grid.py put in a configuration's directory name, as "k=v, k=v" ("default": none)."""
+    name = group.split("/")[-1]
     return name.split("__", 1)[1].replace(",", ", ") if "__" in name else "default"
+
+
+def run_label(c: Config) -> str:
+    """A configuration's name in runs.csv: its directory's flags, the same whichever other configurations share the
+    cell (label_configs' labels depend on them, so a configuration's selection-seed and fresh-seed runs, reported
+    apart, would otherwise be listed under two names and not merge back as one)."""
+    return dir_flags(c.group) if c.group.startswith("dir:") else c.label
 
 
 # --------------------------------------------------------------------------------------------
