@@ -1018,3 +1018,15 @@ def test_failed_dataset_collection_blocks_its_runs(repo, tmp_path, capsys):
     assert "9 failed run(s)" in text and "dataset missing (collect_data.py failed)" in text
     assert calls(tmp_path) == []  # no algorithm script was started
     assert "no behaviour policy" in (out / "logs" / "collect_CartPole-v1.log").read_text()
+
+
+def test_readme_headline_table_is_what_the_committed_results_give():
+    """The README's Table 1 is benchmark/headline_table.py's output on the two committed result directories, cell for
+    cell: no number there that the code did not produce (regenerate it after either report changes)."""
+    import headline_table
+    want = headline_table.table(BENCH / "table1_result", BENCH / "paper_protocol_result")
+    assert len(want.splitlines()) == 2 + 15 and "—" not in want
+    assert want in (BENCH.parent / "README.md").read_text()
+    proc = subprocess.run([sys.executable, str(BENCH / "headline_table.py"), str(BENCH / "table1_result")],
+                          capture_output=True, text=True)
+    assert proc.returncode != 0 and len(proc.stderr.strip().splitlines()) == 1 and "usage" in proc.stderr
