@@ -1,25 +1,56 @@
+#!/usr/bin/env python
 """The README's headline table: every Table 1 cell as "our defaults / the paper's protocol (the paper's value)".
 
     python benchmark/headline_table.py benchmark/table1_result benchmark/paper_protocol_result
 
 Reads each directory's configs.csv (the selected configuration of every cell, as aggregate.py wrote it; the protocol's
-numbers are its selection seeds, the paper's own protocol), the behaviour returns from the first directory's runs.csv
-and the paper's numbers from benchmark/paper_table1.csv; prints the Markdown table. "—": no result for that cell.
+numbers are its selection seeds, the paper's own protocol), the behaviour returns from both directories' runs.csv (they
+must agree: the same datasets) and the paper's numbers from benchmark/paper_table1.csv; prints the Markdown table.
+"—": no result for that cell.
 """
+from __future__ import annotations
+
+import argparse
 import csv
 import sys
 from pathlib import Path
 
-ALGORITHMS = ["DQN", "BRPO-C", "BRPO", "BCQ", "KL-Q", "SPIBB", "BC", "CQL"]  # aggregate.py's column labels
-TASKS = [("CartPole-v1", "CartPole"), ("Acrobot-v1", "Acrobot"), ("LunarLander-v3", "LunarLander")]
-EPSILONS = [0.05, 0.15, 0.25, 0.5, 1.0]
-PAPER = Path(__file__).resolve().parent / "paper_table1.csv"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from aggregate import LABELS, PAPER_CSV, AggregateError, load_paper  # noqa: E402
+from run_grid import ENVS, PAPER_EPSILONS  # noqa: E402
+
+SHORT = {"CartPole-v1": "CartPole", "Acrobot-v1": "Acrobot", "LunarLander-v3": "LunarLander"}
+
+
+def read_rows(path: Path, columns: tuple[str, ...]) -> list[dict]:
+    try:
+        with open(path, newline="") as f:
+            rows = list(csv.DictReader(f))
+    except (OSError, UnicodeDecodeError, csv.Error) as e:
+        raise AggregateError(f"cannot read '{path}' ({e}); pass a directory written by benchmark/aggregate.py")
+    if not rows or any(c not in rows[0] for c in columns):
+        raise AggregateError(f"'{path}' is not an aggregate.py table (needs the columns {', '.join(columns)}); "
+                             "regenerate it with benchmark/aggregate.py")
+    return rows
+
+
+def number(row: dict, column: str, path: Path) -> float:
+    try:
+        return float(row[column])
+    except (TypeError, ValueError):
+        raise AggregateError(f"'{path}': bad {column} {row[column]!r} in {row}; regenerate it with benchmark/aggregate.py")
 
 
 def selected_means(result_dir: Path) -> dict:
-    with open(result_dir / "configs.csv", newline="") as f:
-        return {(r["env_id"], float(r["epsilon"]), r["algorithm"]): float(r["mean"])
-                for r in csv.DictReader(f) if r["selected"] == "1"}
+    path = result_dir / "configs.csv"
+    return {(r["env_id"], round(number(r, "epsilon", path), 6), r["algorithm"]): number(r, "mean", path)
+            for r in read_rows(path, ("env_id", "epsilon", "algorithm", "selected", "mean")) if r["selected"] == "1"}
+
+
+def behaviour_returns(result_dir: Path) -> dict:
+    path = result_dir / "runs.csv"
+    return {(r["env_id"], round(number(r, "epsilon", path), 6)): number(r, "behavior_return", path)
+            for r in read_rows(path, ("env_id", "epsilon", "behavior_return")) if r["behavior_return"]}
 
 
 def fmt(x: float | None) -> str:
@@ -27,25 +58,34 @@ def fmt(x: float | None) -> str:
 
 
 def table(defaults_dir: Path, protocol_dir: Path) -> str:
-    default, protocol = selected_means(defaults_dir), selected_means(protocol_dir)
-    with open(PAPER, newline="") as f:  # the paper ran LunarLander-v2; ours is v3 (docs/benchmark.md)
-        paper = {(r["env_id"].replace("LunarLander-v2", "LunarLander-v3"), float(r["epsilon"]), r["algorithm"]):
-                 float(r["mean"]) for r in csv.DictReader(f)}
-    with open(defaults_dir / "runs.csv", newline="") as f:
-        behaviour = {(r["env_id"], float(r["epsilon"])): float(r["behavior_return"]) for r in csv.DictReader(f)}
-    lines = ["| task, ε | " + " | ".join(ALGORITHMS) + " | behaviour |", "|---" * (len(ALGORITHMS) + 2) + "|"]
-    for env, name in TASKS:
-        for eps in EPSILONS:
-            cells = [f"{fmt(default.get((env, eps, a)))} / {fmt(protocol.get((env, eps, a)))}"
-                     + (f" ({fmt(paper[(env, eps, a)])})" if (env, eps, a) in paper else "") for a in ALGORITHMS]
-            beh = fmt(behaviour.get((env, eps))) + (f" ({fmt(paper[(env, eps, 'Behavior')])})"
+    default, protocol, paper = selected_means(defaults_dir), selected_means(protocol_dir), load_paper(PAPER_CSV)
+    behaviour, other = behaviour_returns(defaults_dir), behaviour_returns(protocol_dir)
+    differ = [k for k in behaviour.keys() & other.keys() if abs(behaviour[k] - other[k]) > 1e-6]
+    if differ:  # the two tables would compare runs on different datasets
+        raise AggregateError(f"the two directories' behaviour returns differ on {sorted(differ)}: their runs used "
+                             "different datasets; aggregate runs on the same datasets")
+    labels = list(LABELS.values())
+    lines = ["| task, ε | " + " | ".join(labels) + " | behaviour |", "|---" * (len(labels) + 2) + "|"]
+    for env in ENVS:
+        for eps in PAPER_EPSILONS:
+            cells = []
+            for a in labels:
+                key = (env, eps, a)
+                cells.append(f"{fmt(default.get(key))} / {fmt(protocol.get(key))}"
+                             + (f" ({fmt(paper[key][0])})" if key in paper else ""))
+            beh = fmt(behaviour.get((env, eps))) + (f" ({fmt(paper[(env, eps, 'Behavior')][0])})"
                                                      if (env, eps, "Behavior") in paper else "")
-            lines.append(f"| {name} {eps:g} | " + " | ".join(cells) + f" | {beh} |")
+            lines.append(f"| {SHORT[env]} {eps:g} | " + " | ".join(cells) + f" | {beh} |")
     return "\n".join(lines)
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 3 or not all((Path(d) / f).is_file() for d in sys.argv[1:] for f in ("configs.csv", "runs.csv")):
-        sys.exit("usage: python benchmark/headline_table.py DEFAULTS_DIR PROTOCOL_DIR (two aggregate.py output "
-                 "directories with configs.csv and runs.csv, e.g. benchmark/table1_result benchmark/paper_protocol_result)")
-    print(table(Path(sys.argv[1]), Path(sys.argv[2])))
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("defaults_dir", type=Path, help="aggregate.py's output for the defaults (benchmark/table1_result)")
+    p.add_argument("protocol_dir", type=Path,
+                   help="aggregate.py's output for the paper's protocol (benchmark/paper_protocol_result)")
+    opts = p.parse_args()
+    try:
+        print(table(opts.defaults_dir, opts.protocol_dir))
+    except AggregateError as e:
+        sys.exit(f"error: {e}")

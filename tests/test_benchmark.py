@@ -1020,13 +1020,26 @@ def test_failed_dataset_collection_blocks_its_runs(repo, tmp_path, capsys):
     assert "no behaviour policy" in (out / "logs" / "collect_CartPole-v1.log").read_text()
 
 
-def test_readme_headline_table_is_what_the_committed_results_give():
-    """The README's Table 1 is benchmark/headline_table.py's output on the two committed result directories, cell for
-    cell: no number there that the code did not produce (regenerate it after either report changes)."""
+def test_readme_headline_table_is_what_the_committed_results_give(tmp_path):
+    """The README's Table 1 is benchmark/headline_table.py's output on the two committed result directories, exactly
+    (regenerate it after either report changes), and the merged protocol report selects what the three per-task ones
+    do (regenerate it after any of them changes); a malformed table is one line and a non-zero exit."""
     import headline_table
     want = headline_table.table(BENCH / "table1_result", BENCH / "paper_protocol_result")
     assert len(want.splitlines()) == 2 + 15 and "—" not in want
-    assert want in (BENCH.parent / "README.md").read_text()
-    proc = subprocess.run([sys.executable, str(BENCH / "headline_table.py"), str(BENCH / "table1_result")],
+    readme = (BENCH.parent / "README.md").read_text()
+    start = readme.index("| task, ε |")
+    assert readme[start:readme.index("\n\n", start)] == want
+    per_task = [c for t in ("cartpole", "acrobot", "lunarlander")
+                for c in json.loads((BENCH / f"paper_protocol_{t}" / "selected.json").read_text())["cells"]]
+    merged = json.loads((BENCH / "paper_protocol_result" / "selected.json").read_text())["cells"]
+    key = lambda c: (c["env_id"], c["epsilon"], c["algorithm"], json.dumps(c["hparams"], sort_keys=True))  # noqa: E731
+    assert sorted(map(key, merged)) == sorted(map(key, per_task)) and len(merged) == 15 * 8
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "configs.csv").write_text("env_id,epsilon,algorithm,mean\nCartPole-v1,0.05,BRPO,1.0\n")
+    (bad / "runs.csv").write_text((BENCH / "table1_result" / "runs.csv").read_text())
+    proc = subprocess.run([sys.executable, str(BENCH / "headline_table.py"), str(BENCH / "table1_result"), str(bad)],
                           capture_output=True, text=True)
-    assert proc.returncode != 0 and len(proc.stderr.strip().splitlines()) == 1 and "usage" in proc.stderr
+    assert proc.returncode == 1 and proc.stdout == "" and len(proc.stderr.strip().splitlines()) == 1
+    assert "needs the columns" in proc.stderr and "selected" in proc.stderr
