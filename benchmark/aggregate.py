@@ -167,18 +167,23 @@ def load_runs(root: Path) -> tuple[list[Run], list[tuple[Path, str]]]:
 RUNS_CSV_COLUMNS = ("env_id", "epsilon", "algorithm", "config", "seed", "final_score", "behavior_return")
 
 
-def load_runs_csv(path: Path) -> list[Run]:
-    """Runs listed in an earlier runs.csv, grouped as run_grid.py lays their seeds out on disk (so that a
-    result.json of the same cell, configuration and seed is recognised as the same run)."""
-    by_label = {label: key for key, label in LABELS.items()}
+def read_table(path: Path, columns: tuple[str, ...], name: str, kind: str) -> list[dict]:
+    """The rows of a CSV table this script wrote (kind: "a runs.csv", "a configs.csv"), or one AggregateError line."""
     try:
         with open(path, newline="") as f:
             rows = list(csv.DictReader(f))
     except (OSError, UnicodeDecodeError, csv.Error) as e:
-        raise AggregateError(f"cannot read --merge-runs file '{path}' ({e}); pass a runs.csv written by aggregate.py")
-    if not rows or any(c not in rows[0] for c in RUNS_CSV_COLUMNS):
-        raise AggregateError(f"--merge-runs file '{path}' is not a runs.csv of aggregate.py (needs the columns "
-                             f"{', '.join(RUNS_CSV_COLUMNS)})")
+        raise AggregateError(f"cannot read {name} ({e}); pass {kind} written by aggregate.py")
+    if not rows or any(c not in rows[0] for c in columns):
+        raise AggregateError(f"{name} is not {kind} of aggregate.py (needs the columns {', '.join(columns)})")
+    return rows
+
+
+def load_runs_csv(path: Path) -> list[Run]:
+    """Runs listed in an earlier runs.csv, grouped as run_grid.py lays their seeds out on disk (so that a
+    result.json of the same cell, configuration and seed is recognised as the same run)."""
+    by_label = {label: key for key, label in LABELS.items()}
+    rows = read_table(path, RUNS_CSV_COLUMNS, f"--merge-runs file '{path}'", "a runs.csv")
     runs = []
     for i, row in enumerate(rows, start=2):
         try:

@@ -11,27 +11,14 @@ must agree: the same datasets) and the paper's numbers from benchmark/paper_tabl
 from __future__ import annotations
 
 import argparse
-import csv
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from aggregate import LABELS, PAPER_CSV, AggregateError, load_paper  # noqa: E402
+from aggregate import LABELS, PAPER_CSV, AggregateError, load_paper, read_table  # noqa: E402
 from run_grid import ENVS, PAPER_EPSILONS  # noqa: E402
 
 SHORT = {"CartPole-v1": "CartPole", "Acrobot-v1": "Acrobot", "LunarLander-v3": "LunarLander"}
-
-
-def read_rows(path: Path, columns: tuple[str, ...]) -> list[dict]:
-    try:
-        with open(path, newline="") as f:
-            rows = list(csv.DictReader(f))
-    except (OSError, UnicodeDecodeError, csv.Error) as e:
-        raise AggregateError(f"cannot read '{path}' ({e}); pass a directory written by benchmark/aggregate.py")
-    if not rows or any(c not in rows[0] for c in columns):
-        raise AggregateError(f"'{path}' is not an aggregate.py table (needs the columns {', '.join(columns)}); "
-                             "regenerate it with benchmark/aggregate.py")
-    return rows
 
 
 def number(row: dict, column: str, path: Path) -> float:
@@ -44,13 +31,15 @@ def number(row: dict, column: str, path: Path) -> float:
 def selected_means(result_dir: Path) -> dict:
     path = result_dir / "configs.csv"
     return {(r["env_id"], round(number(r, "epsilon", path), 6), r["algorithm"]): number(r, "mean", path)
-            for r in read_rows(path, ("env_id", "epsilon", "algorithm", "selected", "mean")) if r["selected"] == "1"}
+            for r in read_table(path, ("env_id", "epsilon", "algorithm", "selected", "mean"), f"'{path}'", "a configs.csv")
+            if r["selected"] == "1"}
 
 
 def behaviour_returns(result_dir: Path) -> dict:
     path = result_dir / "runs.csv"
     return {(r["env_id"], round(number(r, "epsilon", path), 6)): number(r, "behavior_return", path)
-            for r in read_rows(path, ("env_id", "epsilon", "behavior_return")) if r["behavior_return"]}
+            for r in read_table(path, ("env_id", "epsilon", "behavior_return"), f"'{path}'", "a runs.csv")
+            if r["behavior_return"]}
 
 
 def fmt(x: float | None) -> str:
