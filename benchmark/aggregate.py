@@ -3,9 +3,10 @@
 
     python benchmark/aggregate.py benchmark/results/table1            # writes benchmark/results/table1/report/
 
-Reads every ``result.json`` below RESULTS_DIR (docs/formats.md schema). Seeds of one configuration are the
-sibling ``seed<k>`` run directories written by run_grid.py (results laid out differently are grouped by
-their hyperparameters instead). When several configurations of an algorithm exist for a (task, epsilon)
+Reads every ``result.json`` below RESULTS_DIR (docs/formats.md schema; several directories are read as one,
+e.g. a sweep and the fresh seeds of its selection written to another --out by run_grid.py). Seeds of one
+configuration are the sibling ``seed<k>`` run directories written by run_grid.py (results laid out differently
+are grouped by their hyperparameters instead). When several configurations of an algorithm exist for a (task, epsilon)
 cell -- a sweep -- the one with the highest mean final score is reported, as in the paper, and the
 selection is listed (--selection-seeds: selected on those seeds only; the selection is also scored on the
 other seeds, fresh_seeds.md, and written to selected.json for run_grid.py --cells). Cells show mean +- sample
@@ -355,7 +356,7 @@ def top2(means: dict[str, float]) -> set[str]:
     return {a for a, m in means.items() if m >= threshold}
 
 
-def build_report(root: Path, runs: list[Run], skipped, expected_seeds: int | None, paper,
+def build_report(root: str, runs: list[Run], skipped, expected_seeds: int | None, paper,
                  invocations: list[str], command: str, algos: list[str] | None = None) -> tuple[str, dict]:
     # the columns: the paper's algorithms and those of ours that have runs, or the chosen ones (--algos, whose runs
     # main() already selected) in the paper's order; "top-2" is among the shown columns of the paper's algorithms
@@ -772,8 +773,11 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="aggregate.py", description=__doc__.split("\n\n")[0])
-    p.add_argument("results_dir", type=Path, help="directory searched recursively for result.json")
-    p.add_argument("--out", type=Path, default=None, help="output directory (default: RESULTS_DIR/report)")
+    p.add_argument("results_dirs", type=Path, nargs="+", metavar="RESULTS_DIR",
+                   help="directory searched recursively for result.json; several (e.g. a sweep and its fresh seeds, "
+                        "each written by run_grid.py) are read as one, a run found in two of them is an error")
+    p.add_argument("--out", type=Path, default=None,
+                   help="output directory (default: the first RESULTS_DIR/report)")
     p.add_argument("--expected-seeds", type=int, default=None,
                    help="seeds expected per cell (default: the largest number found for any configuration)")
     p.add_argument("--paper-csv", type=Path, default=PAPER_CSV)
@@ -793,13 +797,18 @@ def _main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     opts = p.parse_args(argv)
     try:
-        root = opts.results_dir
-        try:
-            is_dir = root.is_dir()
-        except OSError as e:
-            raise AggregateError(f"results directory '{root}' is invalid ({e.strerror})") from None
-        if not is_dir:
-            raise AggregateError(f"results directory '{root}' does not exist")
+        roots = opts.results_dirs
+        for i, root in enumerate(roots):
+            for other in roots[:i]:  # the result files of one inside the other would count twice
+                a, b = other.resolve(), root.resolve()
+                if a == b or a in b.parents or b in a.parents:
+                    raise AggregateError(f"results directories '{other}' and '{root}' overlap; pass each one once")
+            try:
+                is_dir = root.is_dir()
+            except OSError as e:
+                raise AggregateError(f"results directory '{root}' is invalid ({e.strerror})") from None
+            if not is_dir:
+                raise AggregateError(f"results directory '{root}' does not exist")
         if opts.expected_seeds is not None and opts.expected_seeds < 1:
             raise AggregateError("--expected-seeds must be >= 1")
         if opts.smooth < 1:
@@ -809,7 +818,16 @@ def _main(argv: list[str] | None = None) -> int:
             raise AggregateError(f"unknown algorithm(s) {' '.join(unknown)} in --algos; choose from {' '.join(ALGO_ORDER)}")
         if opts.paper_csv != PAPER_CSV and not opts.paper_csv.is_file():
             raise AggregateError(f"paper table '{opts.paper_csv}' not found")
-        runs, skipped = load_runs(root)
+        runs, skipped, where = [], [], {}
+        for root in roots:
+            found, bad = load_runs(root)
+            for r in found:  # the same cell, configuration and seed twice: which one counts is not ours to guess
+                other = where.setdefault((r.group, r.seed), r.path)
+                if other != r.path:
+                    raise AggregateError(f"the same run is in two results directories ({other} and {r.path}); "
+                                         "pass directories with different seeds or configurations")
+            runs, skipped = runs + found, skipped + bad
+        root = " + ".join(map(str, roots))  # how the messages name the source
         for path in opts.merge_runs:
             runs = merge_runs(runs, load_runs_csv(path))
         if opts.algos:
@@ -825,19 +843,20 @@ def _main(argv: list[str] | None = None) -> int:
         print(f"aggregate.py: error: {e}", file=sys.stderr)
         return 2
 
-    final = opts.out or root / "report"
+    final = opts.out or roots[0] / "report"
     # the report is written to a scratch directory and moved into place at the end: an interrupted or failed
     # aggregation leaves the earlier report as it was
     out = Path(tempfile.mkdtemp(prefix="aggregate."))
     try:
-        return write_report(opts, argv, root, runs, skipped, out, final)
+        return write_report(opts, argv, roots, runs, skipped, out, final)
     finally:
         shutil.rmtree(out, ignore_errors=True)
 
 
-def write_report(opts, argv, root: Path, runs, skipped, out: Path, final: Path) -> int:
+def write_report(opts, argv, roots: list[Path], runs, skipped, out: Path, final: Path) -> int:
     command = shlex.join(["python", "benchmark/aggregate.py", *argv])
-    paper, invocations = load_paper(opts.paper_csv), read_invocations(root)
+    paper, invocations = load_paper(opts.paper_csv), list(dict.fromkeys(c for r in roots for c in read_invocations(r)))
+    root = " + ".join(map(str, roots))  # how the report names its source
     chosen = set(opts.selection_seeds or [r.seed for r in runs])
     text, info = build_report(root, [r for r in runs if r.seed in chosen], skipped, opts.expected_seeds, paper,
                               invocations, command, opts.algos)

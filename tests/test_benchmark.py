@@ -898,6 +898,31 @@ def test_aggregate_runs_csv_names_a_configuration_alike_on_every_seed(tmp_path):
     assert (tmp_path / "c" / "runs.csv").read_text() == (tmp_path / "a" / "runs.csv").read_text()
 
 
+def test_aggregate_reads_several_results_directories_as_one(tmp_path, capsys):
+    """A sweep and the fresh seeds of its selection, written to two run_grid.py directories, give the same report
+    as one directory holding both; a run in two directories, or directories that overlap, is a one-line error."""
+    one, sweep, fresh = tmp_path / "one", tmp_path / "sweep", tmp_path / "fresh"
+    for config, hp, base in (("brpo__mu=0.1", {"mu": 0.1}, 100.0), ("brpo__mu=0.9", {"mu": 0.9}, 50.0)):
+        for seed in (1, 2, 6, 7) if base == 100.0 else (1, 2):
+            for root in (one, fresh if seed > 5 else sweep):
+                write_result(root, "CartPole-v1", 1.0, "brpo", seed, base + seed, config=config, hparams=hp,
+                             behavior=21.7)
+    sel = ["--no-plots", "--selection-seeds", "1", "2"]
+    assert aggregate.main([str(one), *sel, "--out", str(tmp_path / "a")]) == 0
+    assert aggregate.main([str(sweep), str(fresh), *sel, "--out", str(tmp_path / "b")]) == 0
+    for name in ("runs.csv", "configs.csv", "selected.json"):
+        assert (tmp_path / "a" / name).read_text() == (tmp_path / "b" / name).read_text()
+    assert table_row((tmp_path / "b" / "fresh_seeds.md").read_text(), "CartPole-v1-1.00")[2].startswith("106.5")
+    write_result(fresh, "CartPole-v1", 1.0, "brpo", 2, 0.0, config="brpo__mu=0.9", hparams={"mu": 0.9})
+    capsys.readouterr()
+    assert aggregate.main([str(sweep), str(fresh), *sel, "--out", str(tmp_path / "c")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("aggregate.py: error: the same run is in two results directories") and "\n" not in err
+    assert aggregate.main([str(sweep), str(sweep / "CartPole-v1"), "--out", str(tmp_path / "d")]) == 2
+    assert "overlap; pass each one once" in capsys.readouterr().err
+    assert not (tmp_path / "c").exists() and not (tmp_path / "d").exists()
+
+
 def test_aggregate_merge_runs_keeps_a_grid_growing(tmp_path, capsys):
     """A grid whose result files are gone keeps growing from its runs.csv: merging the old table with new
     result files gives the same cells as aggregating all result files at once, a new result.json replaces
