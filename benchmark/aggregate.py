@@ -451,7 +451,7 @@ def build_report(root: str, runs: list[Run], skipped, expected_seeds: int | None
         + f"seeds = {', '.join(map(str, seeds)) or '—'} (expected {n_expected} per cell).",
     ]
     if invocations:
-        head += ["", "Runner invocations recorded in the results directory:"]
+        head += ["", f"Runner invocations recorded in the results director{'ies' if ' + ' in root else 'y'}:"]
         head += [f"- `{c}`" for c in invocations]
     head += [
         "",
@@ -821,10 +821,11 @@ def _main(argv: list[str] | None = None) -> int:
         runs, skipped, where = [], [], {}
         for root in roots:
             found, bad = load_runs(root)
-            for r in found:  # the same cell, configuration and seed twice: which one counts is not ours to guess
-                other = where.setdefault((r.group, r.seed), r.path)
-                if other != r.path:
-                    raise AggregateError(f"the same run is in two results directories ({other} and {r.path}); "
+            for r in found:  # the same cell, configuration and seed in two directories: which counts is not ours to guess
+                key = (r.env_id, round(r.epsilon, 6), r.algo, r.group, r.seed)
+                other = where.setdefault(key, (root, r.path))
+                if other[0] != root:
+                    raise AggregateError(f"the same run is in two results directories ({other[1]} and {r.path}); "
                                          "pass directories with different seeds or configurations")
             runs, skipped = runs + found, skipped + bad
         root = " + ".join(map(str, roots))  # how the messages name the source
