@@ -356,7 +356,7 @@ def top2(means: dict[str, float]) -> set[str]:
     return {a for a, m in means.items() if m >= threshold}
 
 
-def build_report(root: str, runs: list[Run], skipped, expected_seeds: int | None, paper,
+def build_report(roots: list[Path], runs: list[Run], skipped, expected_seeds: int | None, paper,
                  invocations: list[str], command: str, algos: list[str] | None = None) -> tuple[str, dict]:
     # the columns: the paper's algorithms and those of ours that have runs, or the chosen ones (--algos, whose runs
     # main() already selected) in the paper's order; "top-2" is among the shown columns of the paper's algorithms
@@ -441,7 +441,7 @@ def build_report(root: str, runs: list[Run], skipped, expected_seeds: int | None
     head = [
         "# Table 1 reproduction (Sohn et al., IJCAI 2020)",
         "",
-        f"Generated {now:%Y-%m-%d %H:%M} UTC by `{command}` from `{root}`: {n_files} result files"
+        f"Generated {now:%Y-%m-%d %H:%M} UTC by `{command}` from `{' + '.join(map(str, roots))}`: {n_files} result files"
         + (f", {len(skipped)} invalid/unfinished skipped" if skipped else "")
         + (f", and {len(runs) - n_files} runs listed in the `--merge-runs` table(s)" if len(runs) > n_files else "")
         + ".",
@@ -451,7 +451,7 @@ def build_report(root: str, runs: list[Run], skipped, expected_seeds: int | None
         + f"seeds = {', '.join(map(str, seeds)) or '—'} (expected {n_expected} per cell).",
     ]
     if invocations:
-        head += ["", f"Runner invocations recorded in the results director{'ies' if ' + ' in root else 'y'}:"]
+        head += ["", f"Runner invocations recorded in the results director{'ies' if len(roots) > 1 else 'y'}:"]
         head += [f"- `{c}`" for c in invocations]
     head += [
         "",
@@ -857,9 +857,8 @@ def _main(argv: list[str] | None = None) -> int:
 def write_report(opts, argv, roots: list[Path], runs, skipped, out: Path, final: Path) -> int:
     command = shlex.join(["python", "benchmark/aggregate.py", *argv])
     paper, invocations = load_paper(opts.paper_csv), list(dict.fromkeys(c for r in roots for c in read_invocations(r)))
-    root = " + ".join(map(str, roots))  # how the report names its source
     chosen = set(opts.selection_seeds or [r.seed for r in runs])
-    text, info = build_report(root, [r for r in runs if r.seed in chosen], skipped, opts.expected_seeds, paper,
+    text, info = build_report(roots, [r for r in runs if r.seed in chosen], skipped, opts.expected_seeds, paper,
                               invocations, command, opts.algos)
     infos = [info]
     if opts.selection_seeds:  # the paper's protocol, and the selected configurations on the other seeds
@@ -868,7 +867,7 @@ def write_report(opts, argv, roots: list[Path], runs, skipped, out: Path, final:
                  and picked.get((r.env_id, round(r.epsilon, 6), r.algo)) == r.group]
         fresh_info = None
         if fresh:
-            fresh_text, fresh_info = build_report(root, fresh, [], None, paper, invocations, command, opts.algos)
+            fresh_text, fresh_info = build_report(roots, fresh, [], None, paper, invocations, command, opts.algos)
             write_atomic(out / "fresh_seeds.md", fresh_text.replace(
                 "# Table 1 reproduction", "# Table 1 reproduction: the selected configurations on fresh seeds", 1))
             infos.append(fresh_info)

@@ -918,13 +918,19 @@ def test_aggregate_reads_several_results_directories_as_one(tmp_path, capsys):
     assert aggregate.main([str(sweep), str(fresh), *sel, "--out", str(tmp_path / "c")]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("aggregate.py: error: the same run is in two results directories") and "\n" not in err
-    # results outside run_grid.py's layout (grouped by their flags): the same flags and seed in two cells are two runs
+    # results outside run_grid.py's layout (grouped by their flags): the same flags and seed in two cells are two
+    # runs, in one directory or in two
     other = tmp_path / "other"
     for env in ("CartPole-v1", "Acrobot-v1"):
         data = json.loads((sweep / "CartPole-v1" / "eps1" / "brpo__mu=0.1" / "seed1" / "result.json").read_text())
-        (other / env).mkdir(parents=True)
-        (other / env / "result.json").write_text(json.dumps({**data, "env_id": env}))
+        (other / env / "r").mkdir(parents=True)
+        (other / env / "r" / "result.json").write_text(json.dumps({**data, "env_id": env}))
     assert aggregate.main([str(other), "--no-plots", "--out", str(tmp_path / "e")]) == 0
+    assert aggregate.main([str(other / "CartPole-v1"), str(other / "Acrobot-v1"), "--no-plots",
+                           "--out", str(tmp_path / "f")]) == 0
+    source = f"from `{other / 'CartPole-v1'} + {other / 'Acrobot-v1'}`: 2 result files"
+    assert source in (tmp_path / "f" / "table1.md").read_text()
+    assert (tmp_path / "e" / "runs.csv").read_text() == (tmp_path / "f" / "runs.csv").read_text()
     assert aggregate.main([str(sweep), str(sweep / "CartPole-v1"), "--out", str(tmp_path / "d")]) == 2
     assert "overlap; pass each one once" in capsys.readouterr().err
     assert not (tmp_path / "c").exists() and not (tmp_path / "d").exists()
