@@ -445,7 +445,7 @@ def run_directory(args):
                 remove_run_files(run_dir)
                 for p in dict.fromkeys([run_dir, *created]):  # only if empty (run_grid.py's run.log stays)
                     p.rmdir()
-            if isinstance(e, OSError):
+            if isinstance(e, OSError) and not isinstance(e, BrokenPipeError):  # that one is stdout's (cli)
                 fail(f"cannot write to {run_dir} ({e.strerror or e}); nothing of this run was kept")
             raise
     finally:
@@ -579,7 +579,8 @@ def dataset_sizes(path: str) -> tuple[int, int]:
 
 
 def cli(args_type, main) -> None:
-    """`python script.py --flags`: Ctrl-C or SIGTERM removes what the run wrote and ends in one line, exit 130."""
+    """`python script.py --flags`: Ctrl-C or SIGTERM removes what the run wrote and ends in one line, exit 130; so
+    does standard output closed by its reader (`| head`) once the run has started, exit 141 (as SIGPIPE would)."""
     # TensorBoard writes from a thread; its OSError (a full disk) surfaces again at the next write or flush, where
     # run_directory turns it into one line, so the thread's own traceback is not printed
     threading.excepthook = lambda a: None if issubclass(a.exc_type, OSError) else threading.__excepthook__(a)
@@ -589,10 +590,25 @@ def cli(args_type, main) -> None:
         # --sweep is a list: a second --sweep would silently replace the first (tyro keeps the last)
         require(sum(a == "--sweep" or a.startswith("--sweep=") for a in sys.argv[1:]) <= 1, "--sweep is given more "
                 "than once; name every swept flag in one --sweep, e.g. --sweep mu=0.5,0.9 learning-rate=1e-3,3e-4")
-        main(tyro.cli(args_type))
+        try:
+            args = tyro.cli(args_type)
+        except BrokenPipeError:  # `--help | head`: the reader has what it wanted
+            quiet_stdout()
+            raise SystemExit(0)
+        main(args)
     except KeyboardInterrupt:
         print(f"{Path(sys.argv[0]).name}: interrupted; nothing written", file=sys.stderr)
         raise SystemExit(130)
+    except BrokenPipeError:
+        quiet_stdout()
+        print(f"{Path(sys.argv[0]).name}: standard output was closed by its reader; stopped, nothing written",
+              file=sys.stderr)
+        raise SystemExit(141)
+
+
+def quiet_stdout() -> None:
+    """stdout to /dev/null, so that the interpreter's flush at exit does not fail on the closed pipe again."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
 # ---------------------------------------------------------------------------------------------

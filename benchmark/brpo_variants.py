@@ -17,6 +17,7 @@ For diagnosis only: the variants are not methods (lam-const is BRPO-C's confiden
 
 from __future__ import annotations
 
+import os
 import statistics
 import sys
 from dataclasses import dataclass
@@ -137,4 +138,8 @@ def main(args: Args) -> None:
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    try:
+        main(tyro.cli(Args))
+    except BrokenPipeError:  # `| head`: stop quietly, as run_grid.py does (stdout to /dev/null: the exit's flush)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(0)

@@ -16,6 +16,7 @@ evaluation, from member runs with the default evaluation settings (every 1,000 u
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -154,4 +155,8 @@ def main(args: Args) -> None:
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    try:
+        main(tyro.cli(Args))
+    except BrokenPipeError:  # `| head`: stop quietly, as run_grid.py does (stdout to /dev/null: the exit's flush)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(0)

@@ -294,6 +294,27 @@ def test_interrupted_run_says_so_and_leaves_nothing(name, sig, datasets, tmp_pat
     assert not run_dir.exists()
 
 
+def test_stdout_closed_by_its_reader(datasets, tmp_path):
+    """`script | head`: a run stops like an interrupted one (one line, exit 141 as SIGPIPE would, nothing kept), not
+    blaming its run directory; `--help | head` is no failure. No traceback either way."""
+    run_dir = tmp_path / "runs" / "r"
+    proc = subprocess.Popen([sys.executable, REPO / "bc.py", "--dataset-path", datasets[0.15], "--runs-dir",
+                             tmp_path / "runs", "--run-name", "r", "--total-steps", "1000000", "--eval-frequency", "100",
+                             "--eval-episodes", "2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().startswith("step=100 ")
+    proc.stdout.close()  # the reader exits, as head does after its lines
+    err = proc.stderr.read()
+    assert proc.wait(timeout=120) == 141
+    assert err.strip().splitlines() == ["bc.py: standard output was closed by its reader; stopped, nothing written"]
+    assert not run_dir.exists()
+    for script in ("brpo.py", "collect_data.py", "benchmark/throughput.py"):
+        proc = subprocess.Popen([sys.executable, REPO / script, "--help"], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+        proc.stdout.close()  # before the help is printed (the interpreter is still starting)
+        err = proc.stderr.read()
+        assert proc.wait(timeout=60) == 0 and err == "", (script, err)
+
+
 @pytest.mark.parametrize("name", ("brpo.py", "brpo_c.py"))
 def test_brpo_documented_settings_and_limits(name, datasets, tmp_path):
     """The paper's state-dependent temperature (--kappa-max inf) finishes, its inf recorded as text; a confidence
