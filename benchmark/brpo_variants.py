@@ -17,7 +17,6 @@ For diagnosis only: the variants are not methods (lam-const is BRPO-C's confiden
 
 from __future__ import annotations
 
-import os
 import statistics
 import sys
 from dataclasses import dataclass
@@ -140,6 +139,6 @@ def main(args: Args) -> None:
 if __name__ == "__main__":
     try:
         main(tyro.cli(Args))
-    except BrokenPipeError:  # `| head`: stop quietly, as run_grid.py does (stdout to /dev/null: the exit's flush)
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except BrokenPipeError:  # `| head`: stop quietly, as run_grid.py does
+        common.quiet_stdout()
         sys.exit(0)

@@ -12,7 +12,6 @@ here); the ratios of environment steps per second to the plain loop's are printe
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from dataclasses import dataclass
@@ -94,6 +93,6 @@ def main(args: Args) -> None:
 if __name__ == "__main__":
     try:
         main(tyro.cli(Args))
-    except BrokenPipeError:  # `| head`: stop quietly, as run_grid.py does (stdout to /dev/null: the exit's flush)
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except BrokenPipeError:  # `| head`: stop quietly, as run_grid.py does
+        common.quiet_stdout()
         sys.exit(0)
