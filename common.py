@@ -1067,6 +1067,9 @@ def member_args(args, check, member_flags: tuple = ()) -> list:
             sweep[name] = list(dict.fromkeys(kind(v) for v in values.split(",")))
         except ValueError:
             fail(f"--sweep {spec!r}: {flag(name)} takes {kind.__name__} values")
+    for name, values in (("--seeds", args.seeds), ("--epsilons", args.epsilons)):
+        twice = sorted({v for v in values or () if list(values).count(v) > 1})
+        require(not twice, f"{name} lists {', '.join(map(str, twice))} more than once; give each value once")
     runs, stamp = [], int(time.time())
     for eps, combo, seed in itertools.product(args.epsilons or (args.epsilon,), itertools.product(*sweep.values()),
                                               args.seeds or (args.seed,)):
