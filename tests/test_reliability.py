@@ -303,16 +303,16 @@ def test_stdout_closed_by_its_reader(datasets, tmp_path):
                              "--eval-episodes", "2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert proc.stdout.readline().startswith("step=100 ")
     proc.stdout.close()  # the reader exits, as head does after its lines
-    err = proc.stderr.read()
-    assert proc.wait(timeout=120) == 141
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 141
     assert err.strip().splitlines() == ["bc.py: standard output was closed by its reader; stopped, nothing written"]
     assert not run_dir.exists()
     for script in ("brpo.py", "collect_data.py", "benchmark/throughput.py"):
         proc = subprocess.Popen([sys.executable, REPO / script, "--help"], stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True)
         proc.stdout.close()  # before the help is printed (the interpreter is still starting)
-        err = proc.stderr.read()
-        assert proc.wait(timeout=60) == 0 and err == "", (script, err)
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode == 0 and err == "", (script, err)
 
 
 @pytest.mark.parametrize("name", ("brpo.py", "brpo_c.py"))
