@@ -377,12 +377,9 @@ def main(args: Args) -> None:
 if __name__ == "__main__":
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # stopped like interrupted: no partial file stays
+    args = None
     try:
         args = tyro.cli(Args)
-    except BrokenPipeError:  # `--help | head`: the reader has what it wanted; the exit's flush must not fail again
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        raise SystemExit(0)
-    try:
         main(args)
     except BaseException as e:
         for directory in CREATED:  # deepest first; a directory holding an earlier, complete dataset stays
@@ -392,7 +389,9 @@ if __name__ == "__main__":
             print(f"{Path(sys.argv[0]).name}: interrupted; no partial dataset was kept", file=sys.stderr)
             raise SystemExit(130)
         if isinstance(e, BrokenPipeError):  # stdout's reader exited (`| head`): stopped like an interrupt
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's flush must not fail again
+            if args is None:  # `--help | head`: the reader has what it wanted
+                raise SystemExit(0)
             print(f"{Path(sys.argv[0]).name}: standard output was closed by its reader; stopped, no partial dataset "
                   "was kept", file=sys.stderr)
             raise SystemExit(141)

@@ -586,21 +586,20 @@ def cli(args_type, main) -> None:
     threading.excepthook = lambda a: None if issubclass(a.exc_type, OSError) else threading.__excepthook__(a)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, signal.default_int_handler)
+    args = None
     try:
         # --sweep is a list: a second --sweep would silently replace the first (tyro keeps the last)
         require(sum(a == "--sweep" or a.startswith("--sweep=") for a in sys.argv[1:]) <= 1, "--sweep is given more "
                 "than once; name every swept flag in one --sweep, e.g. --sweep mu=0.5,0.9 learning-rate=1e-3,3e-4")
-        try:
-            args = tyro.cli(args_type)
-        except BrokenPipeError:  # `--help | head`: the reader has what it wanted
-            quiet_stdout()
-            raise SystemExit(0)
+        args = tyro.cli(args_type)
         main(args)
     except KeyboardInterrupt:
         print(f"{Path(sys.argv[0]).name}: interrupted; nothing written", file=sys.stderr)
         raise SystemExit(130)
     except BrokenPipeError:
         quiet_stdout()
+        if args is None:  # `--help | head`: the reader has what it wanted
+            raise SystemExit(0)
         print(f"{Path(sys.argv[0]).name}: standard output was closed by its reader; stopped, nothing written",
               file=sys.stderr)
         raise SystemExit(141)
@@ -1068,7 +1067,7 @@ def member_args(args, check, member_flags: tuple = ()) -> list:
         except ValueError:
             fail(f"--sweep {spec!r}: {flag(name)} takes {kind.__name__} values")
     for name, values in (("--seeds", args.seeds), ("--epsilons", args.epsilons)):
-        twice = sorted({v for v in values or () if list(values).count(v) > 1})
+        twice = sorted({v for v in values or () if values.count(v) > 1})
         require(not twice, f"{name} lists {', '.join(map(str, twice))} more than once; give each value once")
     runs, stamp = [], int(time.time())
     for eps, combo, seed in itertools.product(args.epsilons or (args.epsilon,), itertools.product(*sweep.values()),
