@@ -293,7 +293,7 @@ def load_dataset(args, obs_dim: int, n_actions: int, behavior_network: bool = Fa
     except SystemExit:
         raise
     except Exception as e:  # truncated or corrupt zip, an object array (pickle), I/O error
-        fail(f"dataset {path} is unreadable ({type(e).__name__}: {e}); it is corrupt or truncated, recreate it with: {how}")
+        fail(f"dataset {path} is unreadable ({npz_error(path, e)}); recreate it with: {how}")
     for k, (kind, row) in spec.items():  # in this order: the single values say what the arrays should be
         x = d[k]
         if x.dtype.kind not in {"real": "iuf", "int": "iu", "bool": "b", "str": "U"}[kind] and not (
@@ -565,6 +565,20 @@ def has_simulator(env_id: str) -> bool:
     return env_id in gym.envs.registry
 
 
+def npz_error(path, e: Exception) -> str:
+    """Why np.load could not read `path`, in words (numpy calls any file that is not a zip 'pickled data')."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(6)
+    except OSError as err:
+        return f"{type(err).__name__}: {err.strerror or err}"
+    if not head.startswith(b"PK") and not head.startswith(b"\x93NUMPY"):
+        return "not an .npz archive, the zip of .npy arrays that numpy.savez writes"
+    if "pickle" in str(e) or "Object arrays" in str(e):
+        return "it holds object arrays, which are not loaded for safety: save numeric or boolean arrays"
+    return f"truncated or corrupt: {type(e).__name__}: {' '.join(str(e).split())}"
+
+
 def dataset_sizes(path: str) -> tuple[int, int]:
     """Observation size and action count of a dataset, read before it is validated (load_dataset checks them)."""
     try:
@@ -575,7 +589,7 @@ def dataset_sizes(path: str) -> tuple[int, int]:
     except SystemExit:
         raise
     except Exception as e:
-        fail(f"dataset {path} is unreadable or incomplete ({type(e).__name__}: {' '.join(str(e).split())})")
+        fail(f"dataset {path} is unreadable or incomplete ({npz_error(path, e)})")
 
 
 def cli(args_type, main) -> None:

@@ -133,7 +133,7 @@ def read_logs(path: Path) -> dict:
             with np.load(path, allow_pickle=False) as f:
                 return {k: f[k] for k in f.files}
         except Exception as e:
-            fail(f"logs {path} are unreadable ({type(e).__name__}: {' '.join(str(e).split())})")
+            fail(f"logs {path} are unreadable ({common.npz_error(path, e)})")
     if path.suffix in (".csv", ".parquet"):
         return columns_to_arrays(read_table(path), path)
     fail(f"logs {path}: unknown file type {path.suffix!r}; pass an .npz, .csv or .parquet file")

@@ -118,8 +118,8 @@ def corrupt_copies(src, tmp_path):
 
 BAD_CASES = {
     "missing": (dict(dataset_path="{tmp}/nope.npz"), "not found"),
-    "garbage": (dict(dataset_path="{garbage}"), "unreadable"),
-    "truncated": (dict(dataset_path="{truncated}"), "unreadable"),
+    "garbage": (dict(dataset_path="{garbage}"), "unreadable (not an .npz archive"),
+    "truncated": (dict(dataset_path="{truncated}"), "unreadable (truncated or corrupt"),
     "nan": (dict(dataset_path="{nan}"), "NaN"),
     "other_env": (dict(dataset_path="{good}", env_id="Acrobot-v1"), "recorded on CartPole-v1"),
     "wrong_shapes": (dict(dataset_path="{wrong_task}", env_id="Acrobot-v1"), "shape"),

@@ -170,12 +170,16 @@ def test_bad_logs_one_line_nothing_written(own, tmp_path, case):
 def test_bad_invocations(own, tmp_path):
     np.savez(tmp_path / "logs.npz", **own["logs"])
     (tmp_path / "exists.npz").write_bytes(b"x")
+    (tmp_path / "text.npz").write_text("state,action,reward\n")
+    np.savez(tmp_path / "objects.npz", observations=np.array([{"x": 1}], dtype=object))
     for argv, needle in (([], "exactly one of --logs and --minari-id"),
                          (["--logs", tmp_path / "logs.npz"], "pass --env-id"),
                          (["--logs", tmp_path / "none.csv", "--env-id", "CartPole-v1"], "not found"),
                          (["--logs", tmp_path / "logs.npz", "--env-id", "CartPole-v1", "--dataset-path",
                            tmp_path / "exists.npz"], "exists; pass --overwrite"),
-                         (["--logs", tmp_path / "logs.npz", "--env-id", "Acrobot-v1"], "observations have 4 values")):
+                         (["--logs", tmp_path / "logs.npz", "--env-id", "Acrobot-v1"], "observations have 4 values"),
+                         (["--logs", tmp_path / "text.npz", "--env-id", "CartPole-v1"], "not an .npz archive"),
+                         (["--logs", tmp_path / "objects.npz", "--env-id", "CartPole-v1"], "holds object arrays")):
         proc = run([REPO / "import_data.py", *argv])
         assert proc.returncode == 1 and needle in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
     assert (tmp_path / "exists.npz").read_bytes() == b"x"
