@@ -146,10 +146,11 @@ def check_args(args, allow_inf: tuple = ()) -> None:
             fail(f"{flag(name)} must lie in [0, 2**32), got {getattr(args, name)}")
     for name in ("run_name", "exp_name"):  # a run directory is <runs-dir>/<relative path>, never outside it
         value, parts = getattr(args, name), (getattr(args, name) or "").split("/") if name == "run_name" else [getattr(args, name)]
-        if value is not None and (any(v in ("", ".", "..") or "\\" in v or "/" in v for v in parts) or not value.isprintable()
-                                  or len(value.encode()) > 200):
+        # 255 bytes: the file systems' limit per name (a template's names are longer than the ones it makes)
+        if value is not None and (any(v in ("", ".", "..") or "\\" in v or "/" in v or len(v.encode()) > 255 for v in parts)
+                                  or not value.isprintable() or len(value.encode()) > 1000):
             fail(f"{flag(name)} must be " + ("a relative path of directory names" if name == "run_name" else
-                 "a single directory name") + f" of at most 200 printable characters (no '..'), got {value!r}")
+                 "a single directory name") + f" of printable characters, at most 255 bytes each (no '..'), got {value!r}")
     for name in ("dataset_path", "eval_checkpoint", "runs_dir"):
         if getattr(args, name) == "":
             fail(f"{flag(name)} must not be empty")

@@ -112,7 +112,7 @@ BAD_ARGS = {
     "observations not a vector": (dict(env_id="FrozenLake-v1", dataset_path=None), "only vector observations"),
     "run name with a newline": (dict(run_name="a\nb"), "printable characters"),
     "run name not UTF-8": (dict(run_name="\udcff"), "printable characters"),
-    "run name too long": (dict(run_name="a" * 300), "at most 200"),
+    "run name too long": (dict(run_name="a" * 300), "at most 255 bytes each"),
     "dataset name too long": (dict(dataset_path="/tmp/" + "a" * 300 + ".npz"), "File name too long"),
     "empty runs dir": (dict(runs_dir=""), "--runs-dir must not be empty"),
     "empty checkpoint": (dict(eval_checkpoint=""), "--eval-checkpoint must not be empty"),
