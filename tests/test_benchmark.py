@@ -147,6 +147,30 @@ def test_paper_grid_counts_and_unique_names():
     assert Cell("CartPole-v1", 1.0, "brpo_c", 1, (("lam", 0.5),)).run_name == "CartPole-v1/eps1/brpo_c__lam=0.5/seed1"
 
 
+def test_the_runners_run_names_for_the_whole_paper_sweep_are_accepted_by_the_scripts(capsys):
+    """The run-name template of every process of the full sweep (all of an algorithm's flags in the name) passes
+    the scripts' own --run-name check (it once refused BRPO's seven-flag template)."""
+    import dataclasses, importlib.util  # noqa: E401
+    sys.path.insert(0, str(BENCH.parent))
+    import common
+    assert run_grid.main(["--dry-run", "--no-collect", "--out", "/nonexistent/runs", "--envs", "LunarLander-v3",
+                          "--epsilons", "0.05", "--seeds", "1", "--algos", *ALGORITHMS,
+                          "--grid", str(BENCH / "paper_sweep.json")]) == 0
+    templates = {}
+    for line in capsys.readouterr().out.splitlines():
+        if "--run-name" in line:
+            script = line.split()[1]
+            templates[script] = max(templates.get(script, ""), line.split("--run-name ")[1].strip("'"), key=len)
+    assert set(templates) == {script for script, _ in ALGORITHMS.values()}
+    assert max(map(len, templates.values())) > 200  # BRPO's: the case the scripts refused
+    for script, template in templates.items():
+        spec = importlib.util.spec_from_file_location(f"names_{script[:-3]}", BENCH.parent / script)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module
+        spec.loader.exec_module(module)
+        common.check_args(dataclasses.replace(module.Args(), run_name=template))  # SystemExit if refused
+
+
 def test_sweep_expansion_counts_and_dedup():
     grid = run_grid.merge_grids(run_grid.parse_sweep("brpo_c:lam=0.25,0.5,0.75,0.5", ["brpo_c", "dqn"]),
                                 run_grid.parse_sweep("all:learning-rate=0.001,0.0003", ["brpo_c", "dqn"]))
