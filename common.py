@@ -146,11 +146,12 @@ def check_args(args, allow_inf: tuple = ()) -> None:
             fail(f"{flag(name)} must lie in [0, 2**32), got {getattr(args, name)}")
     for name in ("run_name", "exp_name"):  # a run directory is <runs-dir>/<relative path>, never outside it
         value, parts = getattr(args, name), (getattr(args, name) or "").split("/") if name == "run_name" else [getattr(args, name)]
-        # 255 bytes: the file systems' limit per name (a template's names are longer than the ones it makes)
-        if value is not None and (any(v in ("", ".", "..") or "\\" in v or "/" in v or len(v.encode()) > 255 for v in parts)
-                                  or not value.isprintable() or len(value.encode()) > 1000):
+        # 255 bytes: the file systems' limit per name (checked for the template, then for each member's name)
+        if value is not None and (not value.isprintable() or len(value.encode()) > 1000 or any(
+                v in ("", ".", "..") or "\\" in v or "/" in v or len(v.encode()) > 255 for v in parts)):
             fail(f"{flag(name)} must be " + ("a relative path of directory names" if name == "run_name" else
-                 "a single directory name") + f" of printable characters, at most 255 bytes each (no '..'), got {value!r}")
+                 "a single directory name") + f" of printable characters, at most 255 bytes each and 1000 in all "
+                 f"(no '..'), got {value!r}")
     for name in ("dataset_path", "eval_checkpoint", "runs_dir"):
         if getattr(args, name) == "":
             fail(f"{flag(name)} must not be empty")
@@ -569,13 +570,19 @@ def has_simulator(env_id: str) -> bool:
 def npz_error(path, e: Exception) -> str:
     """Why np.load could not read `path`, in words (numpy calls any file that is not a zip 'pickled data')."""
     try:
+        if not Path(path).is_file():  # a pipe or device: reading it again would block or find it drained
+            return "not a regular file (a directory, pipe or device); numpy needs a file it can seek in"
         with open(path, "rb") as f:
             head = f.read(6)
     except OSError as err:
         return f"{type(err).__name__}: {err.strerror or err}"
-    if not head.startswith(b"PK") and not head.startswith(b"\x93NUMPY"):
+    if not head:
+        return "the file is empty"
+    if head.startswith(b"\x93NUMPY"):
+        return "a single .npy array (numpy.save), not an .npz archive (numpy.savez)"
+    if head[:4] not in (b"PK\x03\x04", b"PK\x05\x06"):
         return "not an .npz archive, the zip of .npy arrays that numpy.savez writes"
-    if "pickle" in str(e) or "Object arrays" in str(e):
+    if "Object arrays cannot be loaded" in str(e):
         return "it holds object arrays, which are not loaded for safety: save numeric or boolean arrays"
     return f"truncated or corrupt: {type(e).__name__}: {' '.join(str(e).split())}"
 
@@ -584,6 +591,8 @@ def dataset_sizes(path: str) -> tuple[int, int]:
     """Observation size and action count of a dataset, read before it is validated (load_dataset checks them)."""
     try:
         with np.load(path, allow_pickle=False) as f:
+            missing = [k for k in ("observations", "behavior_probs") if k not in f.files]
+            require(not missing, f"dataset {path} lacks {missing}: it was not written by collect_data.py or import_data.py")
             obs, probs = f["observations"], f["behavior_probs"]
             require(obs.ndim == 2 and probs.ndim == 2, f"dataset {path}: observations or behavior_probs are not 2-D")
             return int(obs.shape[1]), int(probs.shape[1])

@@ -345,6 +345,9 @@ def test_packs_never_train_a_cell_outside_the_grid():
     (["--envs", "LunarLander-v2"], "use LunarLander-v3"),
     (["--sweep", "brpo_c-lam"], "bad --sweep"),
     (["--sweep", "brpo:seed=1,2"], "cannot be swept"),
+    (["--algos", "brpo", *(x for k in ("mu", "kappa_max", "penalty_scale", "cql_alpha", "pessimism", "learning_rate",
+                                       "target_update_frequency", "tau", "batch_size", "gamma", "confidence_learning_rate")
+                           for x in ("--sweep", f"brpo:{k}=1"))], "exceed the 255 bytes of a file name"),
     (["--sweep", "brpo:lam=0.5"], "--lam is not a flag of brpo.py"),
     (["--grid", "/nonexistent.json"], "not found"),
     (["--seeds", "-1"], "seeds must lie in"),
