@@ -6,6 +6,8 @@ written into pytest's tmp_path and used as the "repo" the runner launches.
 from __future__ import annotations
 
 import csv
+import dataclasses
+import importlib.util
 import itertools
 import json
 import math
@@ -150,7 +152,6 @@ def test_paper_grid_counts_and_unique_names():
 def test_the_runners_run_names_for_the_whole_paper_sweep_are_accepted_by_the_scripts(capsys):
     """The run-name template of every process of the full sweep (all of an algorithm's flags in the name) passes
     the scripts' own --run-name check (it once refused BRPO's seven-flag template)."""
-    import dataclasses, importlib.util  # noqa: E401
     sys.path.insert(0, str(BENCH.parent))
     import common
     assert run_grid.main(["--dry-run", "--no-collect", "--out", "/nonexistent/runs", "--envs", "LunarLander-v3",
