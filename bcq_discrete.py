@@ -203,7 +203,7 @@ def train(runs: common.Members) -> None:
         optimizer.step()
         common.soft_update(step, target_network, network, period, tau)
 
-        runs.log(step, {"losses/td_loss": td_loss, "losses/q_values": q.mean(1), "losses/imitation_loss": imitation_loss,
+        runs.log(step, lambda: {"losses/td_loss": td_loss, "losses/q_values": q.mean(1), "losses/imitation_loss": imitation_loss,
                         "losses/logit_penalty": logit_penalty,
                         "losses/allowed_fraction": next_allowed.float().mean((1, 2))})
         if runs.due(step):

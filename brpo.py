@@ -716,7 +716,7 @@ def train(runs: common.Members) -> None:
         common.soft_update(step, target_network, q_network, period, tau)
 
         # --- log ---
-        runs.log(step, {"losses/td_loss": td_loss, "losses/q_values": q_taken.mean(1),
+        runs.log(step, lambda: {"losses/td_loss": td_loss, "losses/q_values": q_taken.mean(1),
                         "losses/confidence_loss": confidence_loss, "confidence/advantage_unit": unit,
                         "confidence/mean_lambda_star": lam_star.mean((1, 2)), "confidence/mean_temperature": temp.mean(1)})
 

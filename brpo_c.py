@@ -327,7 +327,7 @@ def train(runs: common.Members) -> None:
         common.soft_update(step, target_network, q_network, period, tau)
 
         # --- log ---
-        runs.log(step, {"losses/td_loss": td_loss, "losses/q_values": q_taken.mean(1),
+        runs.log(step, lambda: {"losses/td_loss": td_loss, "losses/q_values": q_taken.mean(1),
                         "confidence/advantage_unit": unit})
 
         # --- evaluate ---

@@ -134,7 +134,7 @@ def train(runs: common.Members) -> None:
         optimizer.step()
         common.soft_update(step, target_network, q_network, period, tau)
 
-        runs.log(step, {"losses/td_loss": td_loss, "losses/cql_loss": gap.mean(1), "losses/q_values": q.mean(1)})
+        runs.log(step, lambda: {"losses/td_loss": td_loss, "losses/cql_loss": gap.mean(1), "losses/q_values": q.mean(1)})
         if runs.due(step):
             runs.evaluate(step, [q_network], act, greedy_probs(q_network), common.q_function(q_network))
 

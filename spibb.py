@@ -202,7 +202,7 @@ def train(runs: common.Members) -> None:
         optimizer.step()
         common.soft_update(step, target_network, q_network, period, tau)
 
-        runs.log(step, {"losses/td_loss": loss, "losses/q_values": q.mean(1)})
+        runs.log(step, lambda: {"losses/td_loss": loss, "losses/q_values": q.mean(1)})
         if runs.due(step):
             runs.evaluate(step, [q_network], act, probs_function(q_network, threshold.double(), runs.first.eval_greedy),
                           common.q_function(q_network))

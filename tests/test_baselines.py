@@ -329,7 +329,7 @@ def test_cql_alpha_is_a_member_flag(cql, data, tmp_path, monkeypatch):
     seen = {}
 
     def log(self, step, scalars, every=100):
-        for name, values in scalars.items():
+        for name, values in (scalars() if callable(scalars) else scalars).items():
             seen.setdefault(name, []).append(torch.as_tensor(values).detach().double())
     monkeypatch.setattr(cql.common.Members, "log", log)
 

@@ -37,7 +37,7 @@ def recorded_losses(module, monkeypatch, **flags) -> dict:
     seen = {}
 
     def log(self, step, scalars, every=100):
-        for name, values in scalars.items():
+        for name, values in (scalars() if callable(scalars) else scalars).items():
             seen.setdefault(name, []).append(np.asarray(torch.as_tensor(values).detach().double()))
     monkeypatch.setattr(common.Members, "log", log)
     module.main(dataclasses.replace(module.Args(), **{**TINY, **flags}))
