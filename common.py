@@ -1344,6 +1344,13 @@ class Members:
                       f"first-order estimate of the gain, mean of the last 10 evaluations); results in {self.dirs[m]}")
 
 
+def finished(result: Path) -> bool:
+    try:
+        return result.exists()
+    except OSError:  # e.g. a path longer than the system allows: creating the run directory reports it in one line
+        return False
+
+
 def main(args, check, train, run_checkpoint, behavior_network: bool = False, member_flags: tuple = ()) -> None:
     """Check the flags, then evaluate a checkpoint, or validate the datasets and train the members in fresh run
     directories. Exit status 1 if a member failed."""
@@ -1353,7 +1360,7 @@ def main(args, check, train, run_checkpoint, behavior_network: bool = False, mem
         return run_checkpoint(args)
     runs = member_args(args, check, member_flags)
     if args.skip_finished and not args.overwrite:
-        done = [a for a in runs if (Path(a.runs_dir) / a.run_name / "result.json").exists()]
+        done = [a for a in runs if finished(Path(a.runs_dir) / a.run_name / "result.json")]
         for a in done:
             print(f"skipped {Path(a.runs_dir) / a.run_name}: it holds a finished run", flush=True)
         runs = [a for a in runs if a not in done]

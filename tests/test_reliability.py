@@ -148,6 +148,17 @@ def test_unwritable_runs_dir_under_a_file(name, datasets, tmp_path):
     assert "cannot create the run directory" in message and "--runs-dir" in message
 
 
+def test_runs_dir_longer_than_the_system_allows_with_skip_finished(datasets, tmp_path):
+    """--skip-finished looks for each member's result.json first: a path beyond PATH_MAX is the same one line."""
+    runs = tmp_path.joinpath(*["d" * 200] * 21)  # > 4,096 bytes
+    with pytest.raises(SystemExit) as exc:
+        main_in_process(load_script("dqn_offline.py"), runs_dir=str(runs), dataset_path=str(datasets[0.15]),
+                        skip_finished=True, run_name="r")
+    message = str(exc.value.code)
+    assert "cannot create the run directory" in message and "--runs-dir" in message and "\n" not in message
+    assert os.listdir(tmp_path) == []  # the directories it had begun to create are removed
+
+
 # ------------------------------------------------------------------------------------------------
 # run directories: never overwritten unless asked, never shared, stale files cleared
 # ------------------------------------------------------------------------------------------------
