@@ -46,7 +46,7 @@ class Args:
     lam: float = 0.7
     """the constant confidence of lam-const"""
     certificate: bool = False
-    """also print each variant's improvement certificate on the model's own dataset (brpo.improvement_certificate)"""
+    """also print each variant's improvement certificate on the model's own dataset (common.improvement_certificate)"""
 
 
 def main(args: Args) -> None:
