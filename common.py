@@ -169,6 +169,8 @@ def check_args(args, allow_inf: tuple = ()) -> None:
     for seed in args.seeds or ():
         require(0 <= seed < 2**32, f"--seeds must lie in [0, 2**32), got {seed}")
     require(args.seeds != () and args.epsilons != (), "--seeds and --epsilons need at least one value")
+    require(not (args.overwrite and args.skip_finished), "--overwrite (replace finished runs) and --skip-finished (keep "
+            "them) contradict each other; pass one of them")
     if not args.learning_rate > 0:
         fail(f"--learning-rate must be positive, got {args.learning_rate}")
     if hasattr(args, "gamma") and not 0.0 <= args.gamma < 1.0:
@@ -285,6 +287,7 @@ def load_dataset(args, obs_dim: int, n_actions: int, behavior_network: bool = Fa
     layout = {"w0": (32, obs_dim), "b0": (32,), "w1": (16, 32), "b1": (16,), "w2": (n_actions, 16), "b2": (n_actions,)}
     keys = (*spec, *(f"behavior_{k}" for k in layout)) if behavior_network else tuple(spec)
     v2 = ("behavior_kind", "behavior_temperature", "behavior_floor")  # format 2: the behaviour model's kind
+    require(not not_a_file(path), f"dataset {path} is unreadable ({NOT_A_FILE}); recreate it with: {how}")
     try:
         with np.load(path, allow_pickle=False) as f:
             missing = [k for k in keys if k not in f.files]
@@ -457,6 +460,7 @@ def run_directory(args):
 def load_checkpoint(path: str, algorithm: str, keys: dict) -> dict:
     """A model.pt of `algorithm`'s --save-model, loaded as weights only (a checkpoint's code is never run), with
     `keys` (name -> type) and a task whose sizes are those of its environment."""
+    require(not not_a_file(path), f"checkpoint {path} is unreadable ({NOT_A_FILE})")
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except FileNotFoundError:
@@ -567,11 +571,20 @@ def has_simulator(env_id: str) -> bool:
     return env_id in gym.envs.registry
 
 
+NOT_A_FILE = "not a regular file (a directory, pipe or device); a file that can be read from the start is needed"
+
+
+def not_a_file(path) -> bool:
+    """True for a path that exists but is not a regular file: checked before opening, since a pipe blocks its reader
+    (or is drained by it)."""
+    return Path(path).exists() and not Path(path).is_file()
+
+
 def npz_error(path, e: Exception) -> str:
     """Why np.load could not read `path`, in words (numpy calls any file that is not a zip 'pickled data')."""
     try:
-        if not Path(path).is_file():  # a pipe or device: reading it again would block or find it drained
-            return "not a regular file (a directory, pipe or device); numpy needs a file it can seek in"
+        if not Path(path).is_file():
+            return NOT_A_FILE
         with open(path, "rb") as f:
             head = f.read(6)
     except OSError as err:
@@ -589,6 +602,7 @@ def npz_error(path, e: Exception) -> str:
 
 def dataset_sizes(path: str) -> tuple[int, int]:
     """Observation size and action count of a dataset, read before it is validated (load_dataset checks them)."""
+    require(not not_a_file(path), f"dataset {path} is unreadable ({NOT_A_FILE})")
     try:
         with np.load(path, allow_pickle=False) as f:
             missing = [k for k in ("observations", "behavior_probs") if k not in f.files]

@@ -128,6 +128,8 @@ def columns_to_arrays(cols: dict, path: Path) -> dict:
 def read_logs(path: Path) -> dict:
     if not path.exists():
         fail(f"logs {path} not found")
+    if common.not_a_file(path):
+        fail(f"logs {path} are unreadable ({common.NOT_A_FILE})")
     if path.suffix == ".npz":
         try:
             with np.load(path, allow_pickle=False) as f:

@@ -70,8 +70,14 @@ COMMON_FLAGS = {
     "dataset_path", "learning_rate", "batch_size", "gamma", "target_update_frequency", "tau",
     "runs_dir", "run_name", "exp_name", "save_model", "eval_checkpoint", "threads", "track",
 }
-# Flags that define the cell itself and can therefore not be swept.
+# Flags that define the cell itself, or how the runner runs it, and can therefore not be swept.
 RESERVED_FLAGS = {"env_id", "epsilon", "seed", "runs_dir", "run_name", "threads", "exp_name", "dataset_path"}
+RUNNER_FLAGS = {"seeds", "epsilons", "sweep", "overwrite", "skip_finished", "eval_checkpoint"}
+
+
+def reserved(key: str) -> str:
+    """Why a flag cannot be a hyperparameter of the grid ('' if it can)."""
+    return ("defines the grid cell" if key in RESERVED_FLAGS else "is set by the runner" if key in RUNNER_FLAGS else "")
 
 
 class GridError(Exception):
@@ -339,8 +345,9 @@ def load_cells(path: Path, seeds: list[int]) -> list[Cell]:
                 raise ValueError(f"entry {e}: needs an epsilon in [0, 1] and hparams as an object of flag: value")
             check_values(list(hp.values()) or [0], f"cells file '{path}', {e['algorithm']}")
             for key in hp:
-                if norm_key(key) in RESERVED_FLAGS:
-                    raise GridError(f"cells file '{path}': '{key}' defines the grid cell and cannot be a hyperparameter")
+                if reserved(norm_key(key)):
+                    raise GridError(f"cells file '{path}': '{key}' {reserved(norm_key(key))} and cannot be a "
+                                    "hyperparameter")
             cells += [Cell(canonical_env(e["env_id"]), float(e["epsilon"]), canonical_algo(e["algorithm"]), int(seed),
                            tuple(sorted((norm_key(k), v) for k, v in hp.items()))) for seed in seeds]
     except FileNotFoundError:
@@ -382,8 +389,8 @@ def expand_grid(envs, epsilons, algos, seeds, grid: dict | None = None) -> list[
         for params in param_blocks(grid.get(algo, {})):
             keys = sorted(params)
             for key in keys:
-                if key in RESERVED_FLAGS:
-                    raise GridError(f"'{key}' defines the grid cell and cannot be swept")
+                if reserved(key):
+                    raise GridError(f"'{key}' {reserved(key)} and cannot be swept")
             value_lists = [list(dict.fromkeys(params[k])) for k in keys]  # dedupe, keep order
             for combo in itertools.product(*value_lists):
                 hp = tuple(zip(keys, combo))

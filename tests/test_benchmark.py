@@ -346,6 +346,8 @@ def test_packs_never_train_a_cell_outside_the_grid():
     (["--envs", "LunarLander-v2"], "use LunarLander-v3"),
     (["--sweep", "brpo_c-lam"], "bad --sweep"),
     (["--sweep", "brpo:seed=1,2"], "cannot be swept"),
+    (["--sweep", "dqn:seeds=3"], "'seeds' is set by the runner and cannot be swept"),
+    (["--sweep", "dqn:overwrite=1"], "'overwrite' is set by the runner and cannot be swept"),
     (["--algos", "brpo", *(x for k in ("mu", "kappa_max", "penalty_scale", "cql_alpha", "pessimism", "learning_rate",
                                        "target_update_frequency", "tau", "batch_size", "gamma", "confidence_learning_rate")
                            for x in ("--sweep", f"brpo:{k}=1"))], "exceed the 255 bytes of a file name"),

@@ -106,6 +106,7 @@ BAD_ARGS = {
     "dot-dot run name": (dict(run_name=".."), "--run-name must be a relative path"),
     "exp name with slash": (dict(exp_name="a/b"), "--exp-name must be a single directory name"),
     "threads beyond the cores": (dict(threads=10**6), "--threads"),
+    "overwrite and skip": (dict(overwrite=True, skip_finished=True), "contradict each other"),
     "huge evaluation": (dict(eval_episodes=10**7), "--eval-episodes"),
     "batch beyond the data": (dict(batch_size=10**8), "--batch-size"),
     "no behaviour policy": (dict(env_id="MountainCar-v0", dataset_path=None), "no dataset for MountainCar-v0"),
@@ -146,6 +147,19 @@ def test_unwritable_runs_dir_under_a_file(name, datasets, tmp_path):
     (tmp_path / "file").write_text("x")
     message = one_line_failure(module, tmp_path / "file" / "runs", dataset_path=str(datasets[0.15]))
     assert "cannot create the run directory" in message and "--runs-dir" in message
+
+
+def test_a_pipe_given_for_a_file_is_one_line_not_a_hang(datasets, tmp_path):
+    """A FIFO blocks whoever opens it for reading: every reader checks for a regular file before opening."""
+    fifo = tmp_path / "pipe.npz"
+    os.mkfifo(fifo)
+    for argv in (["dqn_offline.py", "--dataset-path", fifo, "--runs-dir", tmp_path / "runs", *TINY],
+                 ["dqn_offline.py", "--eval-checkpoint", fifo], ["certify.py", fifo],
+                 ["import_data.py", "--logs", fifo, "--env-id", "CartPole-v1", "--dataset-path", tmp_path / "d.npz"]):
+        proc = subprocess.run([sys.executable, REPO / argv[0], *map(str, argv[1:])], capture_output=True, text=True,
+                              timeout=120, cwd=REPO)
+        failed_cleanly(proc, "not a regular file")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["pipe.npz"]
 
 
 def test_runs_dir_longer_than_the_system_allows_with_skip_finished(datasets, tmp_path):
