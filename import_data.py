@@ -45,6 +45,8 @@ import torch.nn.functional as F
 import common
 from common import fail, require
 
+MAX_ACTIONS = 1000  # the dataset stores beta(.|s) for every action of every transition (N x |A| numbers, twice)
+
 
 @dataclass
 class Args:
@@ -92,13 +94,15 @@ def read_table(path: Path) -> dict:
             cols[name] = col.astype(np.float64)
         return cols
     try:
-        with open(path, newline="") as f:
+        with open(path, newline="", encoding="utf-8-sig") as f:  # -sig: a spreadsheet's byte-order mark is not a name
             rows = list(csv.reader(f))
     except (OSError, UnicodeDecodeError) as e:
         fail(f"logs {path} are unreadable ({type(e).__name__}: {e})")
     if len(rows) < 2:
         fail(f"logs {path} hold no transitions (a header row and one row per transition are expected)")
-    header, body = rows[0], rows[1:]
+    header, body = [name.strip() for name in rows[0]], rows[1:]
+    twice = sorted({name for name in header if header.count(name) > 1})
+    require(not twice, f"logs {path}: columns {twice} appear more than once in the header")
     if any(len(r) != len(header) for r in body):
         line = next(i for i, r in enumerate(body) if len(r) != len(header)) + 2
         fail(f"logs {path}: line {line} has a different number of columns than the header ({len(header)})")
@@ -106,7 +110,7 @@ def read_table(path: Path) -> dict:
         values = np.array(body, dtype=np.float64)
     except ValueError as e:
         fail(f"logs {path} hold a value that is not a number ({e})")
-    return {name.strip(): values[:, i] for i, name in enumerate(header)}
+    return {name: values[:, i] for i, name in enumerate(header)}
 
 
 def columns_to_arrays(cols: dict, path: Path) -> dict:
@@ -186,13 +190,21 @@ def validate(logs: dict, source: str, n_actions: int, obs_dim: int) -> dict:
     wrong = {k: m for k, m in lengths.items() if m != n}
     require(not wrong, f"logs {source}: columns have different lengths ({n} observations, but {wrong})")
     require(obs.shape[1] == obs_dim, f"logs {source}: observations have {obs.shape[1]} values, the task's have {obs_dim}")
+    for k in (k for k in ("rewards", "terminals", "timeouts", "episode_ends", "propensities") if k in logs):
+        require(np.ndim(logs[k]) == 1, f"logs {source}: {k} have shape {np.shape(logs[k])}, expected ({n},): one value "
+                "per transition")
+    for k in ("observations", "next_observations", "rewards"):  # checked in float64: a cast would warn, then say inf
+        x = np.asarray(logs.get(k, 0.0), np.float64)
+        require(np.isfinite(x).all(), f"logs {source}: {k} contain NaN or inf")
+        require((np.abs(x) <= np.finfo(np.float32).max).all(), f"logs {source}: {k} hold values beyond float32's "
+                "range (3.4e38); rescale them")
     a = np.asarray(logs["actions"])
     require(a.ndim == 1, f"logs {source}: actions have shape {a.shape}; only one discrete action per transition is "
             "supported (continuous actions are not)")
     require(a.dtype.kind in "iub" or (a.dtype.kind == "f" and np.all(np.isfinite(a)) and np.all(a == np.round(a))),
             f"logs {source}: actions are not integers (continuous actions are not supported)")
-    a = a.astype(np.int64)
     require(a.min() >= 0 and a.max() < n_actions, f"logs {source}: actions outside the action space [0, {n_actions})")
+    a = a.astype(np.int64)
     out = {"observations": obs.astype(np.float32), "actions": a, "rewards": np.asarray(logs["rewards"], np.float32)}
     for k in ("terminals", "timeouts", "episode_ends"):
         if k in logs:
@@ -211,8 +223,6 @@ def validate(logs: dict, source: str, n_actions: int, obs_dim: int) -> dict:
     else:  # inside an episode, the next row; an episode's last transition keeps its own state (docs/import.md)
         nxt = np.concatenate([obs[1:], obs[-1:]]).astype(np.float32)
         out["next_observations"] = np.where(ends[:, None], obs.astype(np.float32), nxt)
-    for k in ("observations", "next_observations", "rewards"):
-        require(np.isfinite(out[k]).all(), f"logs {source}: {k} contain NaN or inf")
     if "behavior_probs" in logs:
         p = np.asarray(logs["behavior_probs"], np.float64)
         require(p.shape == (n, n_actions), f"logs {source}: behaviour probabilities have shape {p.shape}, expected "
@@ -377,7 +387,8 @@ def main(args: Args) -> None:
         obs_dim = obs.shape[1]
         n_actions = args.n_actions or (np.asarray(logs["behavior_probs"]).shape[-1] if "behavior_probs" in logs
                                        else int(a.max()) + 1)
-        require(n_actions >= 2, f"logs {source} show {n_actions} action(s); pass --n-actions (at least 2)")
+        require(2 <= n_actions <= MAX_ACTIONS, f"logs {source} show {n_actions:.3g} action(s); at least 2 and at most "
+                f"{MAX_ACTIONS} are supported (pass --n-actions if the logs do not show every action)")
         print(f"{env_id} is not an installed gymnasium task: the scripts will train on this dataset without a simulator, "
               "scored by the improvement certificate", flush=True)
     require(args.behavior_floor * n_actions < 1.0, f"--behavior-floor {args.behavior_floor} leaves no mass for "

@@ -152,6 +152,12 @@ BAD = {
                    "NaN or inf"),
     "no timeouts column": (lambda L: {k: v for k, v in L.items() if k != "timeouts"}, "timeouts or episode_ends"),
     "wrong observation size": (lambda L: {**L, "observations": L["observations"][:, :3]}, "observations have 3 values"),
+    "2-d rewards": (lambda L: {**L, "rewards": L["rewards"][:, None]}, "expected ("),
+    "2-d terminals": (lambda L: {**L, "terminals": L["terminals"][:, None]}, "one value per transition"),
+    "observation beyond float32": (lambda L: {**L, "observations": np.where(
+        np.arange(len(L["actions"]))[:, None] == 3, 1e300, L["observations"].astype(np.float64))}, "beyond float32"),
+    "action beyond int64": (lambda L: {**L, "actions": np.where(np.arange(len(L["actions"])) == 3, 1e300,
+                                                                  L["actions"].astype(np.float64))}, "outside the action space"),
 }
 
 
@@ -178,6 +184,8 @@ def test_bad_invocations(own, tmp_path):
                          (["--logs", tmp_path / "logs.npz", "--env-id", "CartPole-v1", "--dataset-path",
                            tmp_path / "exists.npz"], "exists; pass --overwrite"),
                          (["--logs", tmp_path / "logs.npz", "--env-id", "Acrobot-v1"], "observations have 4 values"),
+                         (["--logs", tmp_path / "logs.npz", "--env-id", "MyTask-v0", "--n-actions", "100000000"],
+                          "at most 1000 are supported"),
                          (["--logs", tmp_path / "text.npz", "--env-id", "CartPole-v1"], "not an .npz archive"),
                          (["--logs", tmp_path / "objects.npz", "--env-id", "CartPole-v1"], "holds object arrays")):
         proc = run([REPO / "import_data.py", *argv])
@@ -190,6 +198,20 @@ def test_example_logs_import(tmp_path):
                 "--dataset-path", tmp_path / "ex.npz", "--fit-steps", "1000"])
     assert proc.returncode == 0, proc.stderr
     assert "logged propensities" in proc.stdout
+
+
+def test_csv_header_quirks(tmp_path):
+    """A spreadsheet's byte-order mark before the header is read as the same file; a column named twice is refused
+    (which one holds the actions?)."""
+    lines = (REPO / "examples" / "logs_example.csv").read_text().splitlines()
+    (tmp_path / "bom.csv").write_text("\n".join(lines) + "\n", encoding="utf-8-sig")
+    (tmp_path / "twice.csv").write_text("\n".join([lines[0] + ",action"] + [x + ",1" for x in lines[1:]]) + "\n")
+    args = ["--env-id", "CartPole-v1", "--fit-steps", "200"]
+    assert run([REPO / "import_data.py", "--logs", tmp_path / "bom.csv", "--dataset-path", tmp_path / "b.npz", *args]
+               ).returncode == 0
+    proc = run([REPO / "import_data.py", "--logs", tmp_path / "twice.csv", "--dataset-path", tmp_path / "t.npz", *args])
+    assert proc.returncode == 1 and proc.stderr.count("\n") == 1 and "['action'] appear more than once" in proc.stderr
+    assert not (tmp_path / "t.npz").exists()
 
 
 def test_without_a_simulator_the_certificate_is_the_score(own, tmp_path):
