@@ -33,6 +33,7 @@ import itertools
 import json
 import math
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -459,10 +460,12 @@ def expected_evaluations(total_steps, eval_frequency, sparse=0) -> set[int] | No
     before the last 10 with --eval-sparse-frequency), one more for scripts that also evaluate at step 0."""
     try:
         total, freq, sparse = int(total_steps), int(eval_frequency), int(sparse or 0)
-        n = len({k for k in range(freq, total + 1, freq) if not sparse or k > total - 10 * freq} | (
-            {k for k in range(sparse, total - 10 * freq + 1, sparse)} if sparse else set()) | {total})
-    except (TypeError, ValueError, ZeroDivisionError):
+    except (TypeError, ValueError, OverflowError):
         return None
+    if total < 1 or freq < 1 or sparse < 0:
+        return None
+    dense_from = max(total - 10 * freq, 0) if sparse else 0  # counted, not listed: a result may claim 10^12 updates
+    n = total // freq - dense_from // freq + (dense_from // sparse if sparse else 0) + (total % freq != 0)
     return {n, n + 1}
 
 
@@ -894,6 +897,15 @@ def _main(opts: argparse.Namespace) -> int:
         raise GridError("--eval-sparse-frequency must be >= 0")
     if any(not 0.0 <= e <= 1.0 for e in epsilons):
         raise GridError("epsilons must lie in [0, 1]")
+    if not 0 < opts.heartbeat < math.inf:
+        raise GridError(f"--heartbeat must be a positive number of seconds, got {opts.heartbeat}")
+    for name in ("slurm_max_parallel", "slurm_array_max"):
+        if getattr(opts, name) is not None and getattr(opts, name) < 1:
+            raise GridError(f"--{name.replace('_', '-')} must be >= 1")
+    for name in ("slurm_time", "slurm_mem", "slurm_partition"):  # written into #SBATCH lines
+        if getattr(opts, name) is not None and not re.fullmatch(r"[\w:.,+-]+", getattr(opts, name)):
+            raise GridError(f"--{name.replace('_', '-')} {getattr(opts, name)!r}: expected a Slurm value such as "
+                            "04:00:00, 2G or a partition name (letters, digits and : . , + - _)")
 
     grids = [load_grid_file(opts.grid, algos)] if opts.grid else []
     grids += [parse_sweep(s, algos) for s in opts.sweep]

@@ -357,6 +357,9 @@ def test_packs_never_train_a_cell_outside_the_grid():
     (["--grid", "/"], "not a readable JSON file"),
     (["--sweep", "bc:learning_rate=nan"], "is not a number"),
     (["--threads", "100000"], "--threads must be at most"),
+    (["--heartbeat", "nan"], "--heartbeat must be a positive"),
+    (["--slurm", "--slurm-max-parallel", "-1"], "--slurm-max-parallel must be >= 1"),
+    (["--slurm", "--slurm-time", "1:00\n#SBATCH --x"], "--slurm-time"),
 ])
 def test_bad_input_one_line_error(argv, message, capsys, tmp_path):
     assert run_grid.main(["--dry-run", "--out", str(tmp_path), *argv]) == 2
@@ -393,6 +396,18 @@ def test_dry_run_prints_commands_and_runs_nothing(repo, tmp_path, capsys):
 # ----------------------------------------------------------------------------------------------
 # local execution: datasets, resume, failures, Ctrl-C
 # ----------------------------------------------------------------------------------------------
+def test_expected_evaluations_are_counted_as_the_scripts_evaluate():
+    """The scripts' schedule (every eval_frequency; every sparse one before the last 10; and the last update),
+    counted, not listed, so that a result claiming 10^12 updates is judged at once (plus one: an evaluation at 0)."""
+    for total, freq, sparse in ((100_000, 1000, 0), (100_000, 1000, 5000), (2500, 1000, 0), (20_000, 1000, 5000),
+                                (7, 3, 2), (1000, 1, 0)):
+        due = [k for k in range(1, total + 1) if (k % sparse == 0 if sparse and k <= total - 10 * freq
+                                                 else k % freq == 0 or k == total)]
+        assert run_grid.expected_evaluations(total, freq, sparse) == {len(due), len(due) + 1}, (total, freq, sparse)
+    assert run_grid.expected_evaluations(10**12, 1) == {10**12, 10**12 + 1}
+    assert run_grid.expected_evaluations("x", 1) is None and run_grid.expected_evaluations(10, 0) is None
+
+
 def test_run_creates_datasets_then_results_and_resumes(repo, tmp_path, capsys):
     out = tmp_path / "out"
     assert run_grid.main(small_grid_args(repo, out)) == 0
