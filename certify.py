@@ -97,7 +97,9 @@ def main(args: Args) -> None:
     print(f"{args.checkpoint} ({ckpt['algorithm']}.py) against beta on {dataset_path}: improvement {c['certificate']:.4g} "
           f"+- {c['certificate_se']:.3g} over {c['episodes']} logged episodes, {args.certificate_confidence:.0%} lower bound "
           f"{c['certificate_lcb']:.4g}: {'certified' if c['certified'] else 'not certified'} (mean total variation to "
-          f"beta {c['tv_to_beta']:.3g})")
+          f"beta {c['tv_to_beta']:.3g})" + (f"; pi puts up to {c['off_support_mass']:.3g} of a state's probability on "
+          "actions beta never takes, where no logged return can check the critic, so it cannot be certified"
+          if c.get("off_support_mass", 0.0) > 1e-6 else ""))
 
 
 if __name__ == "__main__":

@@ -1443,8 +1443,10 @@ def certificate_data(data: dict, beta: np.ndarray, gamma: float, behavior: Behav
     with torch.no_grad():
         q_b = behavior.q_values(torch.from_numpy(obs[rows])).numpy()
     state_features = np.stack([np.ones(len(rows)), (beta[rows] * q_b).sum(1), q_b.max(1)], 1)
+    unsupported = beta[rows] == 0  # actions beta never takes (a greedy behaviour, --behavior-floor 0): None if none
     return {"rows": rows, "episode": episode, "n_episodes": n_episodes, "actions": actions[rows], "beta": beta[rows],
-            "beta_taken": beta_taken, "returns": returns[rows], "state_features": state_features, "q_b": q_b}, None
+            "beta_taken": beta_taken, "returns": returns[rows], "state_features": state_features, "q_b": q_b,
+            "unsupported": unsupported if unsupported.any() else None}, None
 
 
 def tv_to_beta(pi: np.ndarray, beta: np.ndarray) -> float:
@@ -1506,7 +1508,12 @@ def improvement_certificate(pi: np.ndarray, q: np.ndarray, cert: dict, z: float,
     g = float(per_episode.mean())
     se = float(per_episode.std(ddof=1) / math.sqrt(len(per_episode)))
     lcb = g - z * se
-    return {"certificate": g, "certificate_se": se, "certificate_lcb": lcb, "certified": float(lcb > 0.0)}
+    out = {"certificate": g, "certificate_se": se, "certificate_lcb": lcb, "certified": float(lcb > 0.0)}
+    if cert.get("unsupported") is not None:  # no logged return can check the critic where beta never acts: pi may not
+        # put mass there (the direct term would be the critic's claim alone), or it is not certified
+        out["off_support_mass"] = float(row_sum(np.where(cert["unsupported"], pi, 0.0)).max())
+        out["certified"] = float(lcb > 0.0 and out["off_support_mass"] <= 1e-6)
+    return out
 
 
 def deploy_levels(args: DeployArgs) -> tuple[float, ...]:

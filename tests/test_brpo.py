@@ -1000,6 +1000,25 @@ def test_certificate_is_unbiased_and_decides():
     assert found["good"] < 0.5 * found["useless"]  # a critic that knows the action gap shrinks the error
 
 
+def test_no_certificate_where_beta_never_acts():
+    """A greedy behaviour (epsilon 0) never takes action 1: no logged return can check a critic that calls it 10 better.
+    The estimate then is the critic's claim alone (its lower bound positive), and pi moving there is not certified;
+    pi = beta, on the support, has no off-support mass."""
+    rng = np.random.default_rng(4)
+    length, gamma = 5, 0.9
+    data, beta = logged_batch(rng, episodes=500, length=length, epsilon=0.0, reward_of_action=[1.0, 0.0], noise=0.1)
+    cert, reason = common.certificate_data(data, beta, gamma, behavior_of(common, data))
+    assert reason is None and cert["unsupported"] is not None
+    t = np.arange(len(cert["rows"])) % length
+    q0 = (1 - gamma ** (length - t)) / (1 - gamma)  # Q_beta(s_t, 0): the discounted return-to-go of action 0
+    q = np.stack([q0, q0 + 10.0], 1)
+    z = 1.6448536269514722
+    off = common.improvement_certificate(np.tile([0.0, 1.0], (len(t), 1)), q, cert, z)
+    assert off["certificate_lcb"] > 0 and off["off_support_mass"] == 1.0 and off["certified"] == 0.0
+    same = common.improvement_certificate(beta[cert["rows"]], q, cert, z)
+    assert same["off_support_mass"] == 0.0 and same["certified"] == 0.0
+
+
 def test_control_variate_batched_over_members():
     """control_variate fits every member's critic in one batched solve: each member's q_cv is bit for bit its fit
     alone, equals numpy's per-member least squares (the fit it replaced) to rounding, and a diverged member's NaN
