@@ -14,6 +14,7 @@ import json
 import math
 import os
 import resource
+import shutil
 import signal
 import statistics
 import subprocess
@@ -83,7 +84,7 @@ class RunArgs:
     """sub-directory of this run under --runs-dir (may hold '/'); default <env>__eps<eps>__<exp>__<seed>__<time>; with
     members, a template naming each: {env_id} {epsilon} {seed} {exp_name} and the swept flags, e.g. 'eps{epsilon}/s{seed}'"""
     overwrite: bool = False
-    """replace a finished run of the same --run-name (without it, such a run is refused)"""
+    """replace a finished run of the same --run-name, once the new one has finished (without it, such a run is refused)"""
     skip_finished: bool = False
     """skip the members whose run directory holds a finished run (resuming a grid) instead of refusing them"""
     tensorboard: bool = True
@@ -407,18 +408,30 @@ def save_model_atomic(path: Path, obj: dict) -> None:
 RUN_FILES = ("result.json", "model.pt")  # with events.out.tfevents.* and *.tmp: what a run writes in its directory
 
 
+REPLACED = ".replaced"  # with --overwrite, the finished run being replaced waits here until the new one has finished
+
+
 def remove_run_files(run_dir: Path) -> None:
     for p in run_dir.iterdir():
         if p.name in RUN_FILES or p.name.startswith("events.out.tfevents.") or p.name.endswith(".tmp"):
             p.unlink()
 
 
+def restore_replaced(run_dir: Path) -> None:
+    """The finished run that --overwrite set aside comes back (the new run failed, or was killed before finishing)."""
+    replaced = run_dir / REPLACED
+    if replaced.is_dir():
+        for p in replaced.iterdir():
+            p.replace(run_dir / p.name)
+        replaced.rmdir()
+
+
 @contextlib.contextmanager
 def run_directory(args):
     """<runs-dir>/<run-name>/ and its TensorBoard writer, locked for this run: a second process on the same run name
-    is refused. A finished run (result.json) is replaced only with --overwrite; what a failed or killed run left is
-    removed first. If this run fails or is interrupted, what it wrote is removed: a run directory holds a finished
-    run or a running one."""
+    is refused. A finished run (result.json) is replaced only with --overwrite, and only once the new one has
+    finished (until then it is kept in .replaced/); what a failed or killed run left is removed first. If this run
+    fails or is interrupted, what it wrote is removed: a run directory holds a finished run or a running one."""
     name = args.run_name or f"{args.env_id}__eps{args.epsilon:g}__{args.exp_name}__{args.seed}__{int(time.time())}"
     run_dir = Path(args.runs_dir) / name
     try:
@@ -433,10 +446,18 @@ def run_directory(args):
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released when the process ends, however it ends
         except OSError:
             fail(f"{run_dir} is in use by another running process; pass another --run-name")
+        if not (run_dir / "result.json").exists() and (run_dir / REPLACED).is_dir():  # a replacement killed before it
+            remove_run_files(run_dir)  # finished: what it wrote goes, the run it was replacing comes back
+            restore_replaced(run_dir)
         if (run_dir / "result.json").exists() and not args.overwrite:
             fail(f"{run_dir} holds a finished run; pass --overwrite to replace it, or another --run-name")
         writer = None
         try:
+            if (run_dir / "result.json").exists():  # --overwrite: set aside, not deleted, until this run finishes
+                (run_dir / REPLACED).mkdir()
+                for p in run_dir.iterdir():
+                    if p.name in RUN_FILES or p.name.startswith("events.out.tfevents."):
+                        p.replace(run_dir / REPLACED / p.name)
             remove_run_files(run_dir)
             writer = SummaryWriter(str(run_dir)) if args.tensorboard else None
             if writer:
@@ -448,11 +469,16 @@ def run_directory(args):
                 writer and writer.close()
             with contextlib.suppress(OSError):
                 remove_run_files(run_dir)
+                restore_replaced(run_dir)
                 for p in dict.fromkeys([run_dir, *created]):  # only if empty (run_grid.py's run.log stays)
                     p.rmdir()
             if isinstance(e, OSError) and not isinstance(e, BrokenPipeError):  # that one is stdout's (cli)
                 fail(f"cannot write to {run_dir} ({e.strerror or e}); nothing of this run was kept")
             raise
+        if (run_dir / "result.json").exists():  # finished: what it replaced goes
+            shutil.rmtree(run_dir / REPLACED, ignore_errors=True)
+        else:  # failed alone (a member whose training diverged)
+            restore_replaced(run_dir)
     finally:
         os.close(fd)
 

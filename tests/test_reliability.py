@@ -149,6 +149,30 @@ def test_unwritable_runs_dir_under_a_file(name, datasets, tmp_path):
     assert "cannot create the run directory" in message and "--runs-dir" in message
 
 
+def test_overwrite_keeps_the_finished_run_until_the_new_one_finishes(datasets, tmp_path):
+    """--overwrite sets the finished run aside: a replacement that fails (or is killed) gives it back, a finished one
+    replaces all of it (the old model.pt too when the new run saves none)."""
+    module, runs = load_script("dqn_offline.py"), tmp_path / "runs"
+    run = dict(runs_dir=str(runs), run_name="r", dataset_path=str(datasets[0.15]))
+    main_in_process(module, **run, save_model=True)
+    old = {p.name: p.read_bytes() for p in (runs / "r").iterdir() if p.is_file()}
+    assert set(old) >= {"result.json", "model.pt"}
+    with pytest.raises(SystemExit, match="diverged"):
+        main_in_process(module, **run, overwrite=True, learning_rate=1e30)
+    assert {p.name: p.read_bytes() for p in (runs / "r").iterdir()} == old
+    # killed while replacing: the old files wait in .replaced/, the new run's curves beside them
+    (runs / "r" / ".replaced").mkdir()
+    for name in old:
+        (runs / "r" / name).replace(runs / "r" / ".replaced" / name)
+    (runs / "r" / "events.out.tfevents.1.host").write_bytes(b"partial")
+    with pytest.raises(SystemExit, match="holds a finished run"):
+        main_in_process(module, **run)
+    assert {p.name: p.read_bytes() for p in (runs / "r").iterdir()} == old
+    main_in_process(module, **run, overwrite=True, seed=3)
+    assert sorted(p.name for p in (runs / "r").iterdir() if not p.name.startswith("events")) == ["result.json"]
+    assert (runs / "r" / "result.json").read_bytes() != old["result.json"]
+
+
 def test_a_pipe_given_for_a_file_is_one_line_not_a_hang(datasets, tmp_path):
     """A FIFO blocks whoever opens it for reading: every reader checks for a regular file before opening."""
     fifo = tmp_path / "pipe.npz"
