@@ -70,6 +70,8 @@ def main(args: Args) -> None:
     epsilon = saved.get("epsilon")
     if not isinstance(epsilon, float):
         fail(f"checkpoint {args.checkpoint} has no epsilon in its args; save it again with --save-model")
+    require(isinstance(saved.get("dataset_path"), (str, type(None))), f"checkpoint {args.checkpoint}: its dataset_path "
+            f"{saved.get('dataset_path')!r} is not a path; pass --dataset-path")
     run = common.RunArgs(env_id=ckpt["env_id"], epsilon=epsilon, batch_size=1,
                          dataset_path=args.dataset_path or saved.get("dataset_path"))
     dataset_path, data = common.load_dataset(run, ckpt["obs_dim"], ckpt["n_actions"], behavior_network=True)

@@ -348,10 +348,12 @@ def load_dataset(args, obs_dim: int, n_actions: int, behavior_network: bool = Fa
     if behavior_network:
         for k, shape in layout.items():
             w = d[f"behavior_{k}"]
-            if w.dtype.kind != "f" or w.shape != shape or not np.isfinite(w).all():
-                fail(f"dataset {path}: behavior_{k} is not a finite float array of shape {shape} (the behaviour network "
-                     f"obs -> 32 -> 16 -> {n_actions}); recreate it with: {how}")
-            d[f"behavior_{k}"] = w.astype(np.float32, copy=False)
+            with np.errstate(over="ignore"):  # float64 beyond float32's range becomes inf: refused here
+                w32 = w.astype(np.float32) if w.dtype.kind == "f" else w
+            if w.dtype.kind != "f" or w.shape != shape or not np.isfinite(w32).all():
+                fail(f"dataset {path}: behavior_{k} is not an array of shape {shape} of finite float32 numbers (the "
+                     f"behaviour network obs -> 32 -> 16 -> {n_actions}); recreate it with: {how}")
+            d[f"behavior_{k}"] = w32
         check = torch.from_numpy(d["observations"][:1000])  # beta at unseen states comes from the stored network
         beta = behavior_policy(d)(check).numpy()
         # an imported dataset's logged propensities are authoritative; its network estimates beta elsewhere
@@ -368,6 +370,10 @@ def read_behavior_kind(d: dict, version: int, path: Path, how: str) -> dict:
     missing = [k for k in ("behavior_kind", "behavior_temperature", "behavior_floor") if k not in d]
     if missing:
         fail(f"dataset {path} (format 2) lacks {missing}; recreate it with: {how}")
+    wrong = [k for k in ("behavior_kind", "behavior_temperature", "behavior_floor") if np.ndim(d[k]) != 0 or (
+        k != "behavior_kind" and np.asarray(d[k]).dtype.kind not in "iuf")]
+    if wrong:
+        fail(f"dataset {path}: {wrong} must be single values (a name, then numbers); recreate it with: {how}")
     kind, temperature, floor = str(d["behavior_kind"]), float(d["behavior_temperature"]), float(d["behavior_floor"])
     if kind not in BEHAVIOR_KINDS or not 0.0 < temperature < math.inf or not 0.0 <= floor < 0.5:
         fail(f"dataset {path}: behaviour model {kind!r} (temperature {temperature}, floor {floor}) is not one of "
@@ -565,6 +571,9 @@ def saved_args(ckpt: dict, args_type, check, path: str):
         check(saved)
     except SystemExit as e:
         fail(f"checkpoint {path}: its saved settings are invalid ({str(e.code).split('error: ', 1)[-1]})")
+    except (TypeError, ValueError) as e:  # a setting without a typed default (e.g. --seeds) holding another type
+        fail(f"checkpoint {path}: its saved settings are invalid ({type(e).__name__}: {e}); save it again with "
+             "--save-model")
     return saved
 
 

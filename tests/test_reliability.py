@@ -72,7 +72,13 @@ def test_arrays_of_wrong_dtype_or_shape_are_refused_before_any_output(name, data
                                          "cannot represent exactly"),
         "terminal and timeout": (dict(timeouts=terminals | True, terminals=terminals | True), "both terminal"),
         "epsilon NaN": (dict(epsilon=np.float64("nan")), "outside [0, 1]"),
+        "behaviour floor array": (dict(behavior_floor=np.zeros(2)), "['behavior_floor'] must be single values"),
     }
+    if name in ("brpo.py", "brpo_c.py"):  # they load the behaviour network
+        with np.load(src) as f:
+            w0 = f["behavior_w0"].astype(np.float64)
+        w0[0, 0] = 1e300
+        cases["behaviour weight beyond float32"] = (dict(behavior_w0=w0), "behavior_w0 is not an array of shape")
     for i, (case, (changes, needle)) in enumerate(cases.items()):
         path = rewritten(src, tmp_path / f"bad{i}.npz", **changes)
         message = one_line_failure(module, tmp_path / f"runs{i}", dataset_path=path)
@@ -241,6 +247,8 @@ def test_finished_run_is_kept_unless_overwrite_and_checkpoints_are_validated(nam
         "bfloat16 weights": ({**good, nets[0]: {k: v.bfloat16() for k, v in good[nets[0]].items()}}, "float32 or float64"),
         "huge weights": ({**good, nets[0]: {k: v * 1e38 for k, v in good[nets[0]].items()}}, "checkpoint"),
     }
+    if name in ("brpo.py", "brpo_c.py"):  # their saved settings are part of the policy: validated like flags
+        bad["settings of another type"] = ({**good, "args": {**good["args"], "seeds": ["a"]}}, "saved settings are invalid")
     for i, (case, (ckpt, needle)) in enumerate(bad.items()):
         path = tmp_path / f"ckpt{i}.pt"
         if ckpt is None:
