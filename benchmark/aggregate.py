@@ -155,7 +155,8 @@ def load_runs(root: Path) -> tuple[list[Run], list[tuple[Path, str]]]:
                         steps=[int(e["step"]) for e in data["evaluations"]],
                         returns=[float(e["return_mean"]) for e in data["evaluations"]], args=args,
                         extra={k: v for k, v in (data.get("extra") or {}).items()
-                               if isinstance(v, (int, float)) and not isinstance(v, bool)}, eval_se=eval_se))
+                               if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)},
+                        eval_se=eval_se))
     for run in runs:
         run.hparams = {k: v for k, v in run.args.items() if k not in PER_RUN_KEYS}
         if re.fullmatch(r"seed\d+", run.path.parent.name):  # run_grid.py layout: seeds are siblings
@@ -205,7 +206,9 @@ def load_runs_csv(path: Path) -> list[Run]:
                 try:
                     extra[k] = float(v)
                 except ValueError:
-                    pass
+                    continue
+                if not math.isfinite(extra[k]):  # a diagnostic that is not a number is left out, as when reading
+                    del extra[k]
         runs.append(Run(path=path, env_id=env, epsilon=eps, algo=algo, seed=seed, final_score=score,
                         behavior_return=beh, steps=[], returns=[], args={}, extra=extra,
                         group=f"dir:{env}/eps{fmt_value(eps)}/{config}", eval_se=eval_se))
@@ -914,6 +917,10 @@ def write_report(opts, argv, roots: list[Path], runs, skipped, out: Path, final:
         raise AggregateError(f"cannot write the learning curves to {out} ({e.strerror or e})") from None
     try:
         final.mkdir(parents=True, exist_ok=True)
+        taken = [f.name for f in sorted(out.iterdir()) if (final / f.name).exists() and not (final / f.name).is_file()]
+        if taken:  # checked before anything moves: the report is replaced whole or not at all
+            raise AggregateError(f"cannot write the report to {final}: {taken} exist there and are not files; remove "
+                                 "them or pass another --out")
         for name in ("fresh_seeds.md", "selected.json"):  # an earlier selection's, not made again: not left behind
             if not (out / name).exists():
                 (final / name).unlink(missing_ok=True)

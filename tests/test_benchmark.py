@@ -867,6 +867,19 @@ def test_aggregate_errors(tmp_path, capsys):
         (tmp_path / "bad" / f"r{i}" / "result.json").write_text(json.dumps({**good, **bad}))
     assert aggregate.main([str(tmp_path / "bad"), "--no-plots"]) == 2
     assert "no valid result.json" in capsys.readouterr().err
+    # a report file's name taken by a directory: refused before any file of the report is replaced
+    (tmp_path / "good" / "r").mkdir(parents=True)
+    (tmp_path / "good" / "r" / "result.json").write_text(json.dumps({**good, "extra": {"x": float("inf"), "y": 2.0}}))
+    (tmp_path / "out" / "runs.csv").mkdir(parents=True)
+    (tmp_path / "out" / "table1.md").write_text("old")
+    assert aggregate.main([str(tmp_path / "good"), "--no-plots", "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "['runs.csv'] exist there and are not files" in err[0]
+    assert (tmp_path / "out" / "table1.md").read_text() == "old"
+    # a diagnostic that is not a finite number is left out of runs.csv, never written as inf
+    assert aggregate.main([str(tmp_path / "good"), "--no-plots", "--out", str(tmp_path / "out2")]) == 0
+    header, row = (tmp_path / "out2" / "runs.csv").read_text().splitlines()
+    assert header.endswith(",eval_se,y") and row.endswith(",2") and "inf" not in row
 
 
 def test_aggregate_merge_runs_with_sweeps_of_several_flags(tmp_path):
