@@ -254,10 +254,18 @@ def load_behavior(path: Path, env: gym.Env) -> dict:
         fail(f"behaviour network {path} not found; create it with --train-behavior")
     except Exception as e:  # corrupt zip, missing key, ...
         fail(f"behaviour network {path} is unreadable ({type(e).__name__}: {e}); retrain with --train-behavior")
-    obs_dim, n_actions = env.observation_space.shape[0], env.action_space.n
-    if weights["w0"].shape[1] != obs_dim or weights["w2"].shape[0] != n_actions:
+    obs_dim, n_actions = env.observation_space.shape[0], int(env.action_space.n)
+    if weights["w0"].ndim == 2 and weights["w2"].ndim == 2 and (weights["w0"].shape[1] != obs_dim
+                                                                or weights["w2"].shape[0] != n_actions):
         fail(f"behaviour network {path} is for obs dim {weights['w0'].shape[1]} / {weights['w2'].shape[0]} "
              f"actions, but the environment has {obs_dim} / {n_actions}")
+    layout = {"w0": (32, obs_dim), "b0": (32,), "w1": (16, 32), "b1": (16,), "w2": (n_actions, 16), "b2": (n_actions,)}
+    for k, shape in layout.items():
+        w = weights[k]
+        with np.errstate(over="ignore"):
+            if w.dtype.kind != "f" or w.shape != shape or not np.isfinite(w.astype(np.float32)).all():
+                fail(f"behaviour network {path}: {k} is not an array of shape {shape} of finite float32 numbers (obs -> "
+                     f"32 -> 16 -> {n_actions}); retrain with --train-behavior")
     return weights
 
 
@@ -339,6 +347,8 @@ def main(args: Args) -> None:
         fail(f"--behavior-eval-episodes must lie in [1, 10000], got {args.behavior_eval_episodes}")
     if args.behavior_eval_passes <= 0:
         fail(f"--behavior-eval-passes must be positive, got {args.behavior_eval_passes}")
+    if not args.epsilon:
+        fail("--epsilon needs at least one value, e.g. --epsilon 0.15")
     if args.dataset_path is not None and len(args.epsilon) != 1:
         fail("--dataset-path names one file: give exactly one --epsilon with it")
     env = make_env(args.env_id)

@@ -99,6 +99,7 @@ def test_behavior_policy_is_in_the_papers_regime(datasets):
     (["--env-id", "CartPole-v1", "--num-transitions", "-5"], "--num-transitions"),
     (["--env-id", "CartPole-v1", "--epsilon", "0.1", "0.2", "--dataset-path", "x.npz"], "--dataset-path"),
     (["--env-id", "Acrobot-v1", "--behavior-path", str(REPO / "behavior_policies" / "CartPole-v1.npz")], "obs dim"),
+    (["--env-id", "CartPole-v1", "--epsilon"], "--epsilon needs at least one value"),
 ])
 def test_bad_input(tmp_path, argv, needle):
     proc = run([REPO / "collect_data.py", *argv], cwd=tmp_path)
@@ -106,6 +107,22 @@ def test_bad_input(tmp_path, argv, needle):
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and needle in lines[0], proc.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+def test_broken_behaviour_network_is_refused_before_collecting(tmp_path):
+    """NaN, infinite or misshapen weights would give a dataset of a policy no script can load: refused in one line."""
+    with np.load(REPO / "behavior_policies" / "CartPole-v1.npz") as f:
+        good = {k: f[k] for k in f.files}
+    nan_w2 = good["w2"].copy()
+    nan_w2[0, 0] = np.nan
+    for i, (k, bad) in enumerate({"w2": nan_w2, "w0": good["w0"][0], "b0": np.array(["a"] * 32),
+                                  "w1": good["w1"][:, :5]}.items()):
+        np.savez(tmp_path / f"b{i}.npz", **{**good, k: bad})
+        proc = run([REPO / "collect_data.py", "--epsilon", "0.15", "--num-transitions", "50", "--behavior-path",
+                    tmp_path / f"b{i}.npz", "--dataset-path", tmp_path / f"d{i}.npz"], cwd=tmp_path)
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 1 and len(lines) == 1 and f"{k} is not an array of shape" in lines[0], proc.stderr
+        assert not (tmp_path / f"d{i}.npz").exists()
 
 
 def test_behavior_return_is_measured_on_the_evaluation_start_states(datasets):
