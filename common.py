@@ -180,8 +180,9 @@ def check_args(args, allow_inf: tuple = ()) -> None:
         fail(f"--tau must lie in (0, 1], got {args.tau}")
     if isinstance(args, DeployArgs):
         require(args.deploy_pessimism is None or (args.deploy_pessimism and all(
-            0.0 <= p <= 1e3 for p in args.deploy_pessimism)),
-            f"--deploy-pessimism needs one or more levels in [0, 1000], got {list(args.deploy_pessimism or [])}")
+            0.0 <= p <= 1e3 for p in args.deploy_pessimism) and len(set(args.deploy_pessimism)) == len(
+            args.deploy_pessimism)), "--deploy-pessimism needs one or more distinct levels in [0, 1000] (each level "
+            f"counts in the simultaneous bound), got {list(args.deploy_pessimism or [])}")
         # below 1 by more than rounding, or the Bonferroni level 1 - (1 - c) / levels rounds to 1 (z = inf)
         require(0.5 <= args.certificate_confidence <= 1.0 - 1e-9,
                 f"--certificate-confidence must lie in [0.5, 1), got {args.certificate_confidence}")

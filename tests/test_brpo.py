@@ -895,7 +895,8 @@ def test_deployed_levels_follow_the_trained_pessimism():
                                                ("brpo_c.py", "lam", 2.0), ("brpo.py", "certificate_confidence", 1.0),
                                                ("brpo_c.py", "certificate_gamma", 1.5), ("brpo.py", "deploy_pessimism", ()),
                                                ("brpo_c.py", "deploy_pessimism", (1.0, -0.5)),
-                                               ("brpo.py", "deploy_pessimism", (float("nan"),))])
+                                               ("brpo.py", "deploy_pessimism", (float("nan"),)),
+                                               ("brpo_c.py", "deploy_pessimism", (1.0, 0.0, 0.0))])
 def test_bad_flags(script, flag, value):
     module = load_script(script)
     with pytest.raises(SystemExit, match="--" + flag.replace("_", "-")):
