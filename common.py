@@ -453,9 +453,12 @@ def run_directory(args):
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released when the process ends, however it ends
         except OSError:
             fail(f"{run_dir} is in use by another running process; pass another --run-name")
-        if not (run_dir / "result.json").exists() and (run_dir / REPLACED).is_dir():  # a replacement killed before it
-            remove_run_files(run_dir)  # finished: what it wrote goes, the run it was replacing comes back
-            restore_replaced(run_dir)
+        if (run_dir / REPLACED).is_dir():  # a replacement was killed before it finished (what it wrote goes, the run
+            if not (run_dir / "result.json").exists():  # it was replacing comes back) or just after (that run goes)
+                remove_run_files(run_dir)
+                restore_replaced(run_dir)
+            else:
+                shutil.rmtree(run_dir / REPLACED)
         if (run_dir / "result.json").exists() and not args.overwrite:
             fail(f"{run_dir} holds a finished run; pass --overwrite to replace it, or another --run-name")
         writer = None

@@ -177,6 +177,13 @@ def test_overwrite_keeps_the_finished_run_until_the_new_one_finishes(datasets, t
     main_in_process(module, **run, overwrite=True, seed=3)
     assert sorted(p.name for p in (runs / "r").iterdir() if not p.name.startswith("events")) == ["result.json"]
     assert (runs / "r" / "result.json").read_bytes() != old["result.json"]
+    # killed just after finishing (result.json written, .replaced/ not yet removed): the finished run is the new one
+    new = (runs / "r" / "result.json").read_bytes()
+    (runs / "r" / ".replaced").mkdir()
+    (runs / "r" / ".replaced" / "result.json").write_bytes(old["result.json"])
+    with pytest.raises(SystemExit, match="holds a finished run"):
+        main_in_process(module, **run)
+    assert (runs / "r" / "result.json").read_bytes() == new and not (runs / "r" / ".replaced").exists()
 
 
 def test_a_pipe_given_for_a_file_is_one_line_not_a_hang(datasets, tmp_path):
