@@ -74,7 +74,9 @@ def main(args: Args) -> None:
             f"{saved.get('dataset_path')!r} is not a path; pass --dataset-path")
     run = common.RunArgs(env_id=ckpt["env_id"], epsilon=epsilon, batch_size=1,
                          dataset_path=args.dataset_path or saved.get("dataset_path"))
-    dataset_path, data = common.load_dataset(run, ckpt["obs_dim"], ckpt["n_actions"], behavior_network=True)
+    dataset_path, data = common.load_dataset(run, ckpt["obs_dim"], ckpt["n_actions"], behavior_network=True,
+                                             other_batch="the certificate is about the batch the policy was trained on: "
+                                             "pass that batch as --dataset-path")
     beta = data["behavior_probs"].astype(np.float64)
     beta /= beta.sum(1, keepdims=True)  # as brpo.py: sum_a (pi - beta) = 0 to rounding
     behavior = common.behavior_policy(data)

@@ -259,9 +259,11 @@ def behavior_policy(d: dict) -> BehaviorPolicy:
                           d.get("behavior_temperature", 1.0), d.get("behavior_floor", 0.0))
 
 
-def load_dataset(args, obs_dim: int, n_actions: int, behavior_network: bool = False) -> tuple[Path, dict]:
+def load_dataset(args, obs_dim: int, n_actions: int, behavior_network: bool = False, other_batch: str = "") -> tuple[
+        Path, dict]:
     """Read and validate the batch (docs/formats.md); a missing *default* dataset is created with collect_data.py.
-    behavior_network: the script also needs the stored behaviour network (beta at states outside the batch)."""
+    behavior_network: the script also needs the stored behaviour network (beta at states outside the batch).
+    other_batch: what to do about a batch of another task or epsilon (default: pass the flag that matches it)."""
     path = Path(args.dataset_path) if args.dataset_path else REPO / "datasets" / f"{args.env_id}_eps{args.epsilon:g}.npz"
     how = (f"python collect_data.py --env-id {args.env_id} --epsilon {args.epsilon:g} --overwrite" if not args.dataset_path
            else f"collect_data.py (our tasks) or import_data.py (your logs), --dataset-path {path}")
@@ -314,13 +316,15 @@ def load_dataset(args, obs_dim: int, n_actions: int, behavior_network: bool = Fa
         if k == "format_version":
             d.update(read_behavior_kind(d, int(x), path, how))
         if k == "env_id" and str(x) != args.env_id:
-            fail(f"dataset {path} was recorded on {x}, not {args.env_id}; pass --env-id {x} or another dataset")
+            fail(f"dataset {path} was recorded on {x}, not {args.env_id}; " + (other_batch or f"pass --env-id {x} or "
+                 "another dataset"))
         if k == "epsilon" and d["behavior_kind"] == "softmax" and math.isnan(float(x)):
             continue  # an imported dataset: its behaviour policy has no epsilon, and --epsilon is only a label
         if k == "epsilon" and not 0.0 <= float(x) <= 1.0:
             fail(f"dataset {path} has epsilon {float(x)}, outside [0, 1]; recreate it with: {how}")
         if k == "epsilon" and not np.isclose(float(x), args.epsilon):
-            fail(f"dataset {path} was collected with epsilon {float(x):g}, not {args.epsilon:g}; pass --epsilon {float(x):g}")
+            fail(f"dataset {path} was collected with epsilon {float(x):g}, not {args.epsilon:g}; " + (
+                other_batch or f"pass --epsilon {float(x):g}"))
         if k == "actions" and (x.ndim != 1 or len(x) == 0):
             fail(f"dataset {path}: actions has shape {x.shape}, expected (N,) with N > 0 (one action index per "
                  f"transition); recreate it with: {how}")

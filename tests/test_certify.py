@@ -72,7 +72,8 @@ def test_bad_input_is_one_line(models, datasets, tmp_path):
                          (run([REPO / "certify.py", tmp_path / "none.pt"]), "not found"),
                          (certify(models["dqn_offline"], "--certificate-confidence", "1.5"), "--certificate-confidence must lie in"),
                          (certify(models["dqn_offline"], "--dataset-path", tmp_path / "none.npz"), "not found"),
-                         (certify(models["dqn_offline"], "--dataset-path", datasets[0.0]), "collected with epsilon 0")):
+                         (certify(models["dqn_offline"], "--dataset-path", datasets[0.0]), "collected with epsilon 0, "
+                          "not 0.15; the certificate is about the batch the policy was trained on")):
         assert proc.returncode == 1, proc.stderr
         assert needle in proc.stderr and proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
     # a batch not stored in episode order has no returns to certify with
