@@ -77,7 +77,7 @@ def check_args(args: Args) -> None:
     require = common.require
     require(0.0 <= args.mu <= 1.0, f"--mu must lie in [0, 1], got {args.mu}")
     require(args.confidence_learning_rate > 0, f"--confidence-learning-rate must be positive, got {args.confidence_learning_rate}")
-    require(args.penalty_scale >= 0, f"--penalty-scale must be >= 0, got {args.penalty_scale}")
+    require(0 <= args.penalty_scale <= 1e3, f"--penalty-scale must lie in [0, 1000] (1: the paper's), got {args.penalty_scale}")
     require(args.kappa_max > 0, f"--kappa-max must be positive, got {args.kappa_max}")
     require(0.0 < args.kappa_scale < math.inf, f"--kappa-scale must be positive and finite, got {args.kappa_scale}")
     require(0.0 < args.kappa_decay <= 1.0, f"--kappa-decay must lie in (0, 1], got {args.kappa_decay}")

@@ -17,6 +17,7 @@ import resource
 import shutil
 import signal
 import statistics
+import string
 import subprocess
 import sys
 import tempfile
@@ -1159,6 +1160,10 @@ def member_args(args, check, member_flags: tuple = ()) -> list:
                 **{k: format(v, ".15g") if isinstance(v, float) else v for k, v in values.items()}}
         if args.run_name and (args.seeds or args.epsilons or sweep):
             try:
+                # plain field names only: str.format would also follow {seed.attr} and {seed[0]}
+                named = [f for _, f, _, _ in string.Formatter().parse(args.run_name) if f is not None]
+                if any(f not in text for f in named):
+                    raise KeyError(next(f for f in named if f not in text))
                 a = replace(a, run_name=args.run_name.format(**text))
             except (KeyError, IndexError, ValueError) as e:
                 fail(f"--run-name {args.run_name!r}: a template may name {{{'}, {'.join(text)}}}, not {e}")
