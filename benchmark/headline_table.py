@@ -11,6 +11,7 @@ must agree: the same datasets) and the paper's numbers from benchmark/paper_tabl
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 
@@ -23,9 +24,12 @@ SHORT = {"CartPole-v1": "CartPole", "Acrobot-v1": "Acrobot", "LunarLander-v3": "
 
 def number(row: dict, column: str, path: Path) -> float:
     try:
-        return float(row[column])
+        x = float(row[column])
     except (TypeError, ValueError):
+        x = math.nan
+    if not math.isfinite(x):
         raise AggregateError(f"'{path}': bad {column} {row[column]!r} in {row}; regenerate it with benchmark/aggregate.py")
+    return x
 
 
 def selected_means(result_dir: Path) -> dict:
@@ -77,4 +81,4 @@ if __name__ == "__main__":
     try:
         print(table(opts.defaults_dir, opts.protocol_dir))
     except AggregateError as e:
-        sys.exit(f"error: {e}")
+        sys.exit(f"headline_table.py: error: {e}")

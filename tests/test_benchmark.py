@@ -1139,3 +1139,8 @@ def test_readme_headline_table_is_what_the_committed_results_give(tmp_path):
                           capture_output=True, text=True)
     assert proc.returncode == 1 and proc.stdout == "" and len(proc.stderr.strip().splitlines()) == 1
     assert "needs the columns" in proc.stderr and "selected" in proc.stderr
+    assert proc.stderr.startswith("headline_table.py: error:")
+    (bad / "configs.csv").write_text("env_id,epsilon,algorithm,selected,mean\nCartPole-v1,0.05,BRPO,1,nan\n")
+    proc = subprocess.run([sys.executable, str(BENCH / "headline_table.py"), str(BENCH / "table1_result"), str(bad)],
+                          capture_output=True, text=True)
+    assert proc.returncode == 1 and proc.stdout == "" and "bad mean 'nan'" in proc.stderr
