@@ -1148,7 +1148,8 @@ def member_args(args, check, member_flags: tuple = ()) -> list:
             sweep[name] = list(dict.fromkeys(kind(v) for v in values.split(",")))
         except ValueError:
             fail(f"--sweep {spec!r}: {flag(name)} takes {kind.__name__} values")
-    for name, values in (("--seeds", args.seeds), ("--epsilons", args.epsilons)):
+    # epsilons as their datasets name them (eps{:g}): 0.15 and 0.150000001 would train on the same file
+    for name, values in (("--seeds", args.seeds), ("--epsilons", tuple(f"{e:g}" for e in args.epsilons or ()))):
         twice = sorted({v for v in values or () if values.count(v) > 1})
         require(not twice, f"{name} lists {', '.join(map(str, twice))} more than once; give each value once")
     runs, stamp = [], int(time.time())

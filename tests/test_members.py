@@ -175,6 +175,7 @@ def test_member_names_sweeps_and_skip_finished(datasets, tmp_path):
                            (["--seeds", "1", "2", "--run-name", "{nope}"], "a template may name"),
                            (["--seeds", "1", "2", "--run-name", "{seed.__class__}/{seed}"], "not 'seed.__class__'"),
                            (["--seeds", "1", "2", "1"], "--seeds lists 1 more than once"),
+                           (["--epsilons", "0.15", "0.150000001"], "--epsilons lists 0.15 more than once"),
                            (["--seeds", "1", "--run-name", "w0/s1"], "holds a finished run")):
         bad = run([*base, *extra])
         assert bad.returncode == 1 and bad.stderr.count("\n") == 1 and message in bad.stderr, (extra, bad.stderr)
