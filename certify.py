@@ -103,7 +103,7 @@ def main(args: Args) -> None:
           f"{c['certificate_lcb']:.4g}: {'certified' if c['certified'] else 'not certified'} (mean total variation to "
           f"beta {c['tv_to_beta']:.3g})" + (f"; pi puts up to {c['off_support_mass']:.3g} of a state's probability on "
           "actions beta never takes, where no logged return can check the critic, so it cannot be certified"
-          if c.get("off_support_mass", 0.0) > 1e-6 else ""))
+          if c.get("off_support_mass", 0.0) > common.OFF_SUPPORT_TOLERANCE else ""))
 
 
 if __name__ == "__main__":

@@ -418,15 +418,17 @@ def save_model_atomic(path: Path, obj: dict) -> None:
 
 
 RUN_FILES = ("result.json", "model.pt")  # with events.out.tfevents.* and *.tmp: what a run writes in its directory
-
-
 REPLACED = ".replaced"  # with --overwrite, the finished run being replaced waits here until the new one has finished
 
 
+def run_files(run_dir: Path) -> list:
+    return [p for p in run_dir.iterdir()
+            if p.name in RUN_FILES or p.name.startswith("events.out.tfevents.") or p.name.endswith(".tmp")]
+
+
 def remove_run_files(run_dir: Path) -> None:
-    for p in run_dir.iterdir():
-        if p.name in RUN_FILES or p.name.startswith("events.out.tfevents.") or p.name.endswith(".tmp"):
-            p.unlink()
+    for p in run_files(run_dir):
+        p.unlink()
 
 
 def restore_replaced(run_dir: Path) -> None:
@@ -470,9 +472,8 @@ def run_directory(args):
         try:
             if (run_dir / "result.json").exists():  # --overwrite: set aside, not deleted, until this run finishes
                 (run_dir / REPLACED).mkdir()
-                for p in run_dir.iterdir():
-                    if p.name in RUN_FILES or p.name.startswith("events.out.tfevents."):
-                        p.replace(run_dir / REPLACED / p.name)
+                for p in run_files(run_dir):
+                    p.replace(run_dir / REPLACED / p.name)
             remove_run_files(run_dir)
             writer = SummaryWriter(str(run_dir)) if args.tensorboard else None
             if writer:
@@ -793,10 +794,9 @@ class Adam:
 
 def soft_update(step: int, target: Stack, online: Stack, period: torch.Tensor, tau: torch.Tensor) -> None:
     """target <- tau * online + (1 - tau) * target for the members whose --target-update-frequency divides step."""
-    due = [step % k == 0 for k in period.flatten().tolist()]  # in Python: two tensor ops per update fewer
-    if any(due):
+    if any(step % k == 0 for k in set(period.flatten().tolist())):  # tested in Python: no tensor op on most updates
         with torch.no_grad():
-            target.flat.lerp_(online.flat, tau * torch.tensor(due).view(period.shape))
+            target.flat.lerp_(online.flat, tau * (step % period == 0))
 
 
 def row_sum(x, keepdims: bool = False):
@@ -1544,6 +1544,9 @@ def control_variate(q: np.ndarray, cert: dict) -> np.ndarray:
     return out
 
 
+OFF_SUPPORT_TOLERANCE = 1e-6  # pi's largest probability, in one state, on actions beta never takes, still certifiable
+
+
 def improvement_certificate(pi: np.ndarray, q: np.ndarray, cert: dict, z: float, q_cv=None) -> dict:
     """The first-order improvement g of pi over beta (the policy-gradient identity along beta + c (pi - beta)),
     in the doubly robust form with the control variate q_cv (control_variate(q, cert) unless given):
@@ -1561,7 +1564,7 @@ def improvement_certificate(pi: np.ndarray, q: np.ndarray, cert: dict, z: float,
     if cert.get("unsupported") is not None:  # no logged return can check the critic where beta never acts: pi may not
         # put mass there (the direct term would be the critic's claim alone), or it is not certified
         out["off_support_mass"] = float(row_sum(np.where(cert["unsupported"], pi, 0.0)).max())
-        out["certified"] = float(lcb > 0.0 and out["off_support_mass"] <= 1e-6)
+        out["certified"] = float(lcb > 0.0 and out["off_support_mass"] <= OFF_SUPPORT_TOLERANCE)
     return out
 
 

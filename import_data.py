@@ -190,11 +190,11 @@ def validate(logs: dict, source: str, n_actions: int, obs_dim: int) -> dict:
     wrong = {k: m for k, m in lengths.items() if m != n}
     require(not wrong, f"logs {source}: columns have different lengths ({n} observations, but {wrong})")
     require(obs.shape[1] == obs_dim, f"logs {source}: observations have {obs.shape[1]} values, the task's have {obs_dim}")
-    for k in (k for k in ("rewards", "terminals", "timeouts", "episode_ends", "propensities") if k in logs):
+    for k in [k for k in ("rewards", "terminals", "timeouts", "episode_ends", "propensities") if k in logs]:
         require(np.ndim(logs[k]) == 1, f"logs {source}: {k} have shape {np.shape(logs[k])}, expected ({n},): one value "
                 "per transition")
-    for k in ("observations", "next_observations", "rewards"):  # checked in float64: a cast would warn, then say inf
-        x = np.asarray(logs.get(k, 0.0), np.float64)
+    for k in [k for k in ("observations", "next_observations", "rewards") if k in logs]:  # in float64: a cast to
+        x = np.asarray(logs[k], np.float64)  # float32 would warn, then say inf
         require(np.isfinite(x).all(), f"logs {source}: {k} contain NaN or inf")
         require((np.abs(x) <= np.finfo(np.float32).max).all(), f"logs {source}: {k} hold values beyond float32's "
                 "range (3.4e38); rescale them")

@@ -173,10 +173,8 @@ def train(runs: common.Members) -> None:
         optimizer.step()
         common.soft_update(step, target_network, q_network, period, tau)
 
-        if step % 100 == 0:
-            with torch.no_grad():
-                reward = kl_reward(q_all.detach(), batch_actions, batch_beta, kl_weight, kl_calc).mean(1)
-            runs.log(step, {"losses/td_loss": loss, "losses/q_values": q.mean(1), "losses/kl_reward": reward})
+        runs.log(step, lambda: {"losses/td_loss": loss, "losses/q_values": q.mean(1), "losses/kl_reward": kl_reward(
+            q_all.detach(), batch_actions, batch_beta, kl_weight, kl_calc).mean(1)})  # inputs detached: no graph
         if runs.due(step):
             runs.evaluate(step, [q_network], act, greedy_probs(q_network), common.q_function(q_network))
 

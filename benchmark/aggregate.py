@@ -204,11 +204,11 @@ def load_runs_csv(path: Path) -> list[Run]:
         for k, v in row.items():
             if k not in RUNS_CSV_COLUMNS and k not in ("score_minus_behavior", "eval_se") and v:
                 try:
-                    extra[k] = float(v)
+                    value = float(v)
                 except ValueError:
                     continue
-                if not math.isfinite(extra[k]):  # a diagnostic that is not a number is left out, as when reading
-                    del extra[k]
+                if math.isfinite(value):  # a diagnostic that is not a finite number is left out, as in load_runs
+                    extra[k] = value
         runs.append(Run(path=path, env_id=env, epsilon=eps, algo=algo, seed=seed, final_score=score,
                         behavior_return=beh, steps=[], returns=[], args={}, extra=extra,
                         group=f"dir:{env}/eps{fmt_value(eps)}/{config}", eval_se=eval_se))

@@ -346,9 +346,9 @@ def load_cells(path: Path, seeds: list[int]) -> list[Cell]:
                 raise ValueError(f"entry {e}: needs an epsilon in [0, 1] and hparams as an object of flag: value")
             check_values(list(hp.values()) or [0], f"cells file '{path}', {e['algorithm']}")
             for key in hp:
-                if reserved(norm_key(key)):
-                    raise GridError(f"cells file '{path}': '{key}' {reserved(norm_key(key))} and cannot be a "
-                                    "hyperparameter")
+                why = reserved(norm_key(key))
+                if why:
+                    raise GridError(f"cells file '{path}': '{key}' {why} and cannot be a hyperparameter")
             cells += [Cell(canonical_env(e["env_id"]), float(e["epsilon"]), canonical_algo(e["algorithm"]), int(seed),
                            tuple(sorted((norm_key(k), v) for k, v in hp.items()))) for seed in seeds]
     except FileNotFoundError:
@@ -390,8 +390,9 @@ def expand_grid(envs, epsilons, algos, seeds, grid: dict | None = None) -> list[
         for params in param_blocks(grid.get(algo, {})):
             keys = sorted(params)
             for key in keys:
-                if reserved(key):
-                    raise GridError(f"'{key}' {reserved(key)} and cannot be swept")
+                why = reserved(key)
+                if why:
+                    raise GridError(f"'{key}' {why} and cannot be swept")
             value_lists = [list(dict.fromkeys(params[k])) for k in keys]  # dedupe, keep order
             for combo in itertools.product(*value_lists):
                 hp = tuple(zip(keys, combo))
