@@ -150,7 +150,9 @@ def load_runs(root: Path) -> tuple[list[Run], list[tuple[Path, str]]]:
         eval_se = (sum(last) / len(last) / math.sqrt(n_ep) if isinstance(n_ep, int) and n_ep > 0 and last
                    and all(isinstance(x, (int, float)) for x in last) else None)
         runs.append(Run(path=path, env_id=ENV_RENAMES.get(env_id, env_id), epsilon=float(eps), algo=algo,
-                        seed=int(data["seed"]), final_score=float(data["final_score"]),
+                        # at the precision runs.csv keeps, so that a run's mean and ties do not depend on which
+                        # of the two it was read from
+                        seed=int(data["seed"]), final_score=round(float(data["final_score"]), 4),
                         behavior_return=float(beh) if isinstance(beh, (int, float)) else None,
                         steps=[int(e["step"]) for e in data["evaluations"]],
                         returns=[float(e["return_mean"]) for e in data["evaluations"]], args=args,
@@ -298,11 +300,13 @@ def group_cells(runs: list[Run]) -> tuple[dict[tuple[str, float, str], CellResul
         configs = [Config(g, sorted(seeds.values(), key=lambda r: r.seed)) for g, seeds in sorted(groups.items())]
         label_configs(configs)
         # best configuration = highest mean final score among those with the most seeds (as in the paper,
-        # but a config with fewer finished seeds is not preferred over complete ones); a tie goes to the first in
-        # name order (configs is sorted) and is reported
+        # but a config with fewer finished seeds is not preferred over complete ones); a tie (identical runs, e.g.
+        # SPIBB equal to β at every threshold) goes to the configuration naming the fewest flags, the one nearest
+        # the defaults, then to the first in name order, and is reported
         most = max(c.n for c in configs)
         best = max(c.stats[0] for c in configs if c.n == most)
-        tied = [c for c in configs if c.n == most and c.stats[0] == best]
+        tied = sorted((c for c in configs if c.n == most and c.stats[0] == best),
+                      key=lambda c: (len(run_label(c).split(", ")) if run_label(c) != "default" else 0, c.group))
         cells[(env, eps, algo)] = CellResult(env, eps, algo, configs, tied[0], len(tied) - 1)
     return cells, warnings
 

@@ -705,6 +705,27 @@ def test_aggregate_selects_best_config_and_says_so(tmp_path):
     assert not list((tmp_path / "rep").glob("*.png"))
 
 
+def test_aggregate_breaks_a_tie_toward_the_defaults_whichever_source_the_runs_come_from(tmp_path):
+    """Identical runs (SPIBB equal to β at every setting) tie: the configuration naming the fewest flags wins, not
+    the first in name order, and the selection is the same when one configuration's runs come from a runs.csv
+    (4 decimals) and the other's from result files (full precision, here a little higher)."""
+    res, listed = tmp_path / "res", tmp_path / "listed"
+    for seed in (1, 2):
+        score = 120.0 + seed / 3  # not exact at 4 decimals
+        write_result(res, "Acrobot-v1", 0.15, "spibb", seed, score + 1e-9, config="spibb__learning_rate=0.0003,"
+                     "spibb_threshold=0.1", hparams={"learning_rate": 0.0003, "spibb_threshold": 0.1})
+        write_result(listed, "Acrobot-v1", 0.15, "spibb", seed, score, config="spibb__spibb_threshold=0.1",
+                     hparams={"learning_rate": 0.001, "spibb_threshold": 0.1})
+    assert aggregate.main([str(listed), "--no-plots", "--out", str(tmp_path / "a")]) == 0
+    # labelled by the differing flag from result files, by the directory's flags from a runs.csv
+    for argv, label in (([str(res), str(listed)], "learning_rate=0.001"),
+                        ([str(res), "--merge-runs", str(tmp_path / "a" / "runs.csv")], "spibb_threshold=0.1")):
+        assert aggregate.main([*argv, "--no-plots", "--out", str(tmp_path / "b")]) == 0
+        rows = list(csv.DictReader(open(tmp_path / "b" / "configs.csv")))
+        assert [r["config"] for r in rows if r["selected"] == "1"] == [label]
+        assert "(tie: 1 other)" in (tmp_path / "b" / "table1.md").read_text()
+
+
 def test_aggregate_selection_seeds_fresh_seeds_and_selected_cells(repo, tmp_path, capsys):
     res = tmp_path / "res"
     # selection seeds 1, 2: lam=0.5 wins; on fresh seeds 6, 7 it scores less, and lam=0.25's fresh runs (which the
