@@ -173,12 +173,13 @@ def main(args: Args) -> None:
 def train(runs: common.Members) -> None:
     # Time-limit truncations (timeouts) are not terminal: we bootstrap through them.
     not_done = 1.0 - runs.tensor("terminals").float()
-    # one row per transition, [s, s', r, 1 - done, a] (a is exact as a float: at most 1,000 actions), so that an
-    # update gathers its minibatch once, not five times
+    # one row per transition, [s, s', r, 1 - done, a] (float32 holds action indices exactly), so that an update
+    # gathers its minibatch once, not five times
     d, actions = runs.obs_dim, runs.tensor("actions")
     packed = torch.cat([runs.tensor("observations"), runs.tensor("next_observations"), runs.tensor("rewards")[:, None],
                         not_done[:, None], actions[:, None].float()], 1)
-    obs = packed[:, :d]  # the final statistics' states
+    S, NEXT_S, R, NOT_DONE = slice(0, d), slice(d, 2 * d), 2 * d, 2 * d + 1  # packed's columns (the action: last)
+    obs = packed[:, S]  # the final statistics' states
     gamma, log_tau = runs.column("gamma"), runs.column("bcq_threshold").log()[..., None]  # log 0 = -inf: all allowed
     pair = lambda x: x.repeat_interleave(2, 0)  # noqa: E731  (a member's value for both of its towers)
     tau, period = pair(runs.column("tau")), pair(runs.column("target_update_frequency", torch.long))
@@ -195,9 +196,9 @@ def train(runs: common.Members) -> None:
         rows = runs.minibatch(step)(packed)  # [M, batch, 2 dim + 3]
         batch_actions = rows[..., -1:].long()
         with torch.no_grad():
-            td_target, next_allowed = bcq_target(network, target_q_network, rows[..., d:2 * d], rows[..., 2 * d],
-                                                 rows[..., 2 * d + 1], gamma, log_tau)
-        q_all, logits = towers(network, rows[..., :d])
+            td_target, next_allowed = bcq_target(network, target_q_network, rows[..., NEXT_S], rows[..., R],
+                                                 rows[..., NOT_DONE], gamma, log_tau)
+        q_all, logits = towers(network, rows[..., S])
         q = q_all.gather(-1, batch_actions).squeeze(-1)
         td_loss = F.smooth_l1_loss(q, td_target, reduction="none").mean(1)  # [M]: per member
         imitation_loss = -torch.log_softmax(logits, -1).gather(-1, batch_actions).mean((1, 2))

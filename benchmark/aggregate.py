@@ -150,10 +150,10 @@ def load_runs(root: Path) -> tuple[list[Run], list[tuple[Path, str]]]:
         eval_se = (sum(last) / len(last) / math.sqrt(n_ep) if isinstance(n_ep, int) and n_ep > 0 and last
                    and all(isinstance(x, (int, float)) for x in last) else None)
         runs.append(Run(path=path, env_id=ENV_RENAMES.get(env_id, env_id), epsilon=float(eps), algo=algo,
-                        # at the precision runs.csv keeps, so that a run's mean and ties do not depend on which
+                        # at the precision runs.csv keeps, so that a run's numbers and ties do not depend on which
                         # of the two it was read from
                         seed=int(data["seed"]), final_score=round(float(data["final_score"]), 4),
-                        behavior_return=float(beh) if isinstance(beh, (int, float)) else None,
+                        behavior_return=round(float(beh), 4) if isinstance(beh, (int, float)) else None,
                         steps=[int(e["step"]) for e in data["evaluations"]],
                         returns=[float(e["return_mean"]) for e in data["evaluations"]], args=args,
                         extra={k: v for k, v in (data.get("extra") or {}).items()
@@ -272,6 +272,11 @@ class Config:
     def stats(self) -> tuple[float, float | None]:
         return mean_std([r.final_score for r in self.runs])
 
+    @property
+    def total(self) -> int:
+        """The final scores' sum in units of 1e-4, their precision: exact, so that equal means compare equal."""
+        return sum(round(r.final_score * 10_000) for r in self.runs)
+
 
 @dataclass
 class CellResult:
@@ -301,11 +306,11 @@ def group_cells(runs: list[Run]) -> tuple[dict[tuple[str, float, str], CellResul
         label_configs(configs)
         # best configuration = highest mean final score among those with the most seeds (as in the paper,
         # but a config with fewer finished seeds is not preferred over complete ones); a tie (identical runs, e.g.
-        # SPIBB equal to β at every threshold) goes to the configuration naming the fewest flags, the one nearest
-        # the defaults, then to the first in name order, and is reported
+        # SPIBB equal to β at every threshold) goes to the configuration naming the fewest flags in its directory
+        # name (that of a smaller sweep merged into a larger one), then to the first in name order, and is reported
         most = max(c.n for c in configs)
-        best = max(c.stats[0] for c in configs if c.n == most)
-        tied = sorted((c for c in configs if c.n == most and c.stats[0] == best),
+        best = max(c.total for c in configs if c.n == most)
+        tied = sorted((c for c in configs if c.n == most and c.total == best),
                       key=lambda c: (len(run_label(c).split(", ")) if run_label(c) != "default" else 0, c.group))
         cells[(env, eps, algo)] = CellResult(env, eps, algo, configs, tied[0], len(tied) - 1)
     return cells, warnings
@@ -490,8 +495,9 @@ def build_report(roots: list[Path], runs: list[Run], skipped, expected_seeds: in
         body += ["", "## Selected hyperparameters", "",
                  "Several configurations were found for these cells; the table reports the one with the highest "
                  "mean final score (among the configurations with the most finished seeds), as the paper did. "
-                 "Configurations with exactly that mean (often identical runs) are a tie, resolved by taking the "
-                 "first in name order and marked `(tie: k others)`.", "",
+                 "Configurations with exactly that mean (often identical runs) are a tie, resolved by taking the one "
+                 "naming the fewest flags in its directory name, then the first in name order, and marked "
+                 "`(tie: k others)`.", "",
                  "| Task-ε | Algorithm | Selected | Mean | Configurations compared |", "|---|---|---|---|---|"]
         for c in sorted(swept, key=lambda c: (row_key(c.env_id, c.epsilon), ALGO_ORDER.index(c.algo))):
             others = "; ".join(f"{o.label}: {fmt_num(o.stats[0])} (n={o.n})"

@@ -693,7 +693,7 @@ def test_aggregate_selects_best_config_and_says_so(tmp_path):
     assert aggregate.main([str(res), "--out", str(tmp_path / "rep"), "--no-plots"]) == 0
     text = (tmp_path / "rep" / "table1.md").read_text()
     assert "31.5 ± 0.7" in table_row(text, "CartPole-v1-0.25")[1]
-    assert "| CartPole-v1-0.25 | BRPO-C | lam=0.5 (tie: 1 other) | 31.5 | 5:" in text  # the first in name order
+    assert "| CartPole-v1-0.25 | BRPO-C | lam=0.5 (tie: 1 other) | 31.5 | 5:" in text  # as many flags: name order
     rows = list(csv.DictReader(open(tmp_path / "rep" / "configs.csv")))
     selected = [r for r in rows if r["selected"] == "1"]
     assert {(r["algorithm"], r["config"]) for r in selected} == {("BRPO-C", "lam=0.5"), ("DQN", "default")}
@@ -705,10 +705,10 @@ def test_aggregate_selects_best_config_and_says_so(tmp_path):
     assert not list((tmp_path / "rep").glob("*.png"))
 
 
-def test_aggregate_breaks_a_tie_toward_the_defaults_whichever_source_the_runs_come_from(tmp_path):
-    """Identical runs (SPIBB equal to β at every setting) tie: the configuration naming the fewest flags wins, not
-    the first in name order, and the selection is the same when one configuration's runs come from a runs.csv
-    (4 decimals) and the other's from result files (full precision, here a little higher)."""
+def test_aggregate_breaks_a_tie_toward_fewer_flags_whichever_source_the_runs_come_from(tmp_path):
+    """Identical runs (SPIBB equal to β at every setting) tie: the configuration naming the fewest flags in its
+    directory name wins, not the first in name order, and the selection is the same when one configuration's runs
+    come from a runs.csv (4 decimals) and the other's from result files (full precision, here a little higher)."""
     res, listed = tmp_path / "res", tmp_path / "listed"
     for seed in (1, 2):
         score = 120.0 + seed / 3  # not exact at 4 decimals
