@@ -6,7 +6,7 @@ model.pt (--save-model), from the logged returns of the batch alone.
 
 It estimates the first-order improvement g of pi over beta along beta + c (pi - beta) (the policy-gradient identity,
 doubly robust, cross-fitted over episodes), its standard error over the logged episodes, and the one-sided lower
-bound g - z se: "certified" when that bound is above 0. What this does and does not guarantee: docs/brpo.md,
+bound g - z se: "certified" when that bound is above 0 (above rounding: 1e-9 times the largest |return|). What this does and does not guarantee: docs/brpo.md,
 "The improvement certificate". The control variate uses the policy's own critic where it has one (the behaviour
 network's otherwise). For a brpo.py or brpo_c.py model this is the g and standard error of its last evaluation
 (the deployed policy, with its certificate discount); their lower bound there is simultaneous over the
@@ -103,7 +103,9 @@ def main(args: Args) -> None:
           f"{c['certificate_lcb']:.4g}: {'certified' if c['certified'] else 'not certified'} (mean total variation to "
           f"beta {c['tv_to_beta']:.3g})" + (f"; pi puts up to {c['off_support_mass']:.3g} of a state's probability on "
           "actions beta never takes, where no logged return can check the critic, so it cannot be certified"
-          if c.get("off_support_mass", 0.0) > common.OFF_SUPPORT_TOLERANCE else ""))
+          if c.get("off_support_mass", 0.0) > common.OFF_SUPPORT_TOLERANCE else "")
+          + ("; the bound is at rounding level (constant returns?), so nothing is certified" if not c["certified"]
+             and c["certificate_lcb"] > 0 and c.get("off_support_mass", 0.0) <= common.OFF_SUPPORT_TOLERANCE else ""))
 
 
 if __name__ == "__main__":

@@ -90,9 +90,10 @@ class Args:
     eval_seed: int = 10_000
     """seed of the first measurement episode (episode i uses eval_seed + i)"""
     overwrite: bool = False
-    """rewrite datasets that already exist (otherwise they are kept)"""
+    """rewrite datasets that already exist (otherwise they are kept), and let --train-behavior replace its file"""
     train_behavior: bool = False
-    """retrain the behaviour DQN (overwrites --behavior-path) instead of using the committed one"""
+    """retrain the behaviour DQN into --behavior-path (an existing file only with --overwrite) instead of using the
+    committed one"""
     behavior_train_steps: Optional[int] = None
     """environment steps of behaviour training; default: the paper's (50k, 50k, 100k)"""
     behavior_train_seed: Optional[int] = None
@@ -247,13 +248,16 @@ def train_behavior(env_id: str, steps: int, seed: int, path: Path, eval_seed: in
 
 
 def load_behavior(path: Path, env: gym.Env) -> dict:
+    if path.exists() and not path.is_file():  # a directory, pipe or device: np.load would fail or hang
+        fail(f"behaviour network {path} is not a regular file; pass the .npz file of a behaviour network")
     try:
         with np.load(path) as f:
             weights = {k: f[k] for k in ("w0", "b0", "w1", "b1", "w2", "b2")}
     except FileNotFoundError:
         fail(f"behaviour network {path} not found; create it with --train-behavior")
     except Exception as e:  # corrupt zip, missing key, ...
-        fail(f"behaviour network {path} is unreadable ({type(e).__name__}: {e}); retrain with --train-behavior")
+        fail(f"behaviour network {path} is unreadable ({type(e).__name__}: {e}); pass a network this script wrote "
+             "(behavior_policies/<env>.npz), or train one into a new file with --train-behavior")
     obs_dim, n_actions = env.observation_space.shape[0], int(env.action_space.n)
     if weights["w0"].ndim == 2 and weights["w2"].ndim == 2 and (weights["w0"].shape[1] != obs_dim
                                                                 or weights["w2"].shape[0] != n_actions):
@@ -358,6 +362,9 @@ def main(args: Args) -> None:
         if steps < 2_500:
             fail(f"--behavior-train-steps must be at least 2500, got {steps}")
         seed = args.behavior_train_seed if args.behavior_train_seed is not None else BEHAVIOR_TRAIN_SEED.get(args.env_id, 1)
+        if behavior_path.exists() and not args.overwrite:
+            fail(f"--train-behavior would replace {behavior_path}; pass --overwrite to replace it, or --behavior-path "
+                 "NEW.npz to train into a new file")
         writable_directory(behavior_path)
         try:
             train_behavior(args.env_id, steps, seed, behavior_path, args.eval_seed)

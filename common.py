@@ -160,8 +160,8 @@ def check_args(args, allow_inf: tuple = ()) -> None:
     if not 1 <= args.threads <= (os.cpu_count() or 1):
         fail(f"--threads must lie in [1, {os.cpu_count()}] (the cores of this machine), got {args.threads}")
     for name in ("total_steps", "batch_size", "target_update_frequency", "eval_frequency", "eval_episodes"):
-        if hasattr(args, name) and getattr(args, name) <= 0:
-            fail(f"{flag(name)} must be positive, got {getattr(args, name)}")
+        if hasattr(args, name) and not 0 < getattr(args, name) <= 10**12:
+            fail(f"{flag(name)} must lie in [1, 10**12], got {getattr(args, name)}")
     require(args.eval_sparse_frequency >= 0, f"--eval-sparse-frequency must be >= 0, got {args.eval_sparse_frequency}")
     if args.eval_episodes > 10_000:  # one simulator each, side by side
         fail(f"--eval-episodes must be at most 10000, got {args.eval_episodes}")
@@ -349,6 +349,13 @@ def load_dataset(args, obs_dim: int, n_actions: int, behavior_network: bool = Fa
     for k in ("behavior_probs", "next_behavior_probs"):
         if (d[k] < 0).any() or not np.allclose(d[k].sum(1), 1.0, atol=1e-4):
             fail(f"dataset {path}: {k} rows are not probability distributions; recreate it with: {how}")
+    never = np.flatnonzero(np.take_along_axis(d["behavior_probs"], d["actions"][:, None], 1)[:, 0] <= 0)
+    if len(never):  # the logged action had probability 0 under the policy said to have logged it
+        fail(f"dataset {path}: behavior_probs gives probability 0 to the logged action in {len(never)} transitions "
+             f"(the first: row {never[0]}); recreate it with: {how}")
+    if np.abs(d["rewards"]).max() > 1e12:  # squared TD errors of ~r / (1 - gamma) would overflow float32
+        fail(f"dataset {path}: rewards reach {np.abs(d['rewards']).max():.3g}; rescale them to at most 1e12 in "
+             f"magnitude (recreate it with: {how})")
     if args.batch_size > len(d["actions"]):
         fail(f"--batch-size {args.batch_size} exceeds the dataset's {len(d['actions'])} transitions")
     if behavior_network:
@@ -1545,6 +1552,7 @@ def control_variate(q: np.ndarray, cert: dict) -> np.ndarray:
 
 
 OFF_SUPPORT_TOLERANCE = 1e-6  # pi's largest probability, in one state, on actions beta never takes, still certifiable
+CERTIFICATE_FLOOR = 1e-9  # a certified lower bound exceeds this times the largest |return|
 
 
 def improvement_certificate(pi: np.ndarray, q: np.ndarray, cert: dict, z: float, q_cv=None) -> dict:
@@ -1560,11 +1568,13 @@ def improvement_certificate(pi: np.ndarray, q: np.ndarray, cert: dict, z: float,
     g = float(per_episode.mean())
     se = float(per_episode.std(ddof=1) / math.sqrt(len(per_episode)))
     lcb = g - z * se
-    out = {"certificate": g, "certificate_se": se, "certificate_lcb": lcb, "certified": float(lcb > 0.0)}
+    # above rounding, not just 0: with constant returns g and se are ~1e-17 and their sign is noise
+    floor = CERTIFICATE_FLOOR * float(np.abs(cert["returns"]).max())
+    out = {"certificate": g, "certificate_se": se, "certificate_lcb": lcb, "certified": float(lcb > floor)}
     if cert.get("unsupported") is not None:  # no logged return can check the critic where beta never acts: pi may not
         # put mass there (the direct term would be the critic's claim alone), or it is not certified
         out["off_support_mass"] = float(row_sum(np.where(cert["unsupported"], pi, 0.0)).max())
-        out["certified"] = float(lcb > 0.0 and out["off_support_mass"] <= OFF_SUPPORT_TOLERANCE)
+        out["certified"] = float(lcb > floor and out["off_support_mass"] <= OFF_SUPPORT_TOLERANCE)
     return out
 
 

@@ -56,7 +56,7 @@ ALGO_ORDER = list(ALGORITHMS)
 # args that differ between seeds of one configuration or do not change the learning problem
 PER_RUN_KEYS = {"seed", "run_name", "runs_dir", "exp_name", "track", "tensorboard", "threads", "save_model",
                 "eval_checkpoint", "dataset_path", "wandb_project_name", "wandb_entity", "capture_video", "cuda",
-                "env_id", "epsilon"}
+                "env_id", "epsilon", "overwrite", "skip_finished"}
 # U of the normalised score (score - behaviour) / (U - behaviour), the share of the available improvement over the
 # behaviour policy an algorithm captures: CartPole's maximum return, and returns near the best reported for the
 # others (a solved LunarLander is 200+, Acrobot's best policies take ~60 steps)
@@ -112,6 +112,8 @@ def malformed(data: dict) -> str | None:
         return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
     if not number(data.get("epsilon")) or not isinstance(data.get("seed"), int) or isinstance(data["seed"], bool):
         return "epsilon or seed is not a number"
+    if abs(data["final_score"]) > 1e15:  # no return is that large; means of such numbers would overflow
+        return f"final_score {data['final_score']:.3g} is not a plausible return"
     if not all(isinstance(e.get("step"), int) and number(e.get("return_mean")) for e in data["evaluations"]):
         return "an evaluation's step or return_mean is not a number"
     if data.get("behavior_return") is not None and not number(data["behavior_return"]):
@@ -124,6 +126,8 @@ def malformed(data: dict) -> str | None:
 def load_runs(root: Path) -> tuple[list[Run], list[tuple[Path, str]]]:
     runs, skipped = [], []
     for path in sorted(root.rglob(RESULT_FILE)):
+        if ".replaced" in path.parts:  # a finished run set aside by --overwrite, back in place if the new run fails
+            continue
         reason = check_result(path)
         if reason is not None:
             skipped.append((path, reason))
@@ -148,7 +152,7 @@ def load_runs(root: Path) -> tuple[list[Run], list[tuple[Path, str]]]:
         n_ep = args.get("eval_episodes")
         last = [e.get("return_std") for e in data["evaluations"][-10:]]
         eval_se = (sum(last) / len(last) / math.sqrt(n_ep) if isinstance(n_ep, int) and n_ep > 0 and last
-                   and all(isinstance(x, (int, float)) for x in last) else None)
+                   and all(isinstance(x, (int, float)) and math.isfinite(x) for x in last) else None)
         runs.append(Run(path=path, env_id=ENV_RENAMES.get(env_id, env_id), epsilon=float(eps), algo=algo,
                         # at the precision runs.csv keeps, so that a run's numbers and ties do not depend on which
                         # of the two it was read from

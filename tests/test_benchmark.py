@@ -883,7 +883,7 @@ def test_aggregate_errors(tmp_path, capsys):
     good = {"algorithm": "bc", "env_id": "CartPole-v1", "epsilon": 0.15, "seed": 1, "final_score": 1.0,
             "evaluations": [{"step": 1000, "return_mean": 1.0, "return_std": 0.0}], "args": {}, "extra": {}}
     for i, bad in enumerate([{"epsilon": float("nan")}, {"seed": "abc"}, {"extra": [1, 2]},
-                             {"evaluations": [{"step": "abc", "return_mean": 1.0}]}]):
+                             {"evaluations": [{"step": "abc", "return_mean": 1.0}]}, {"final_score": 1.7e308}]):
         (tmp_path / "bad" / f"r{i}").mkdir(parents=True)
         (tmp_path / "bad" / f"r{i}" / "result.json").write_text(json.dumps({**good, **bad}))
     assert aggregate.main([str(tmp_path / "bad"), "--no-plots"]) == 2
@@ -901,6 +901,26 @@ def test_aggregate_errors(tmp_path, capsys):
     assert aggregate.main([str(tmp_path / "good"), "--no-plots", "--out", str(tmp_path / "out2")]) == 0
     header, row = (tmp_path / "out2" / "runs.csv").read_text().splitlines()
     assert header.endswith(",eval_se,y") and row.endswith(",2") and "inf" not in row
+
+
+def test_aggregate_ignores_what_is_not_a_hyperparameter_or_a_run(tmp_path):
+    """--overwrite / --skip-finished do not make another configuration; a finished run set aside by --overwrite
+    (.replaced/) is not counted; a NaN evaluation spread gives no standard error rather than nan."""
+    res = tmp_path / "res"
+    write_result(res, "CartPole-v1", 0.15, "dqn", 1, 10.0, hparams={"overwrite": False}).joinpath(".replaced").mkdir()
+    write_result(res, "CartPole-v1", 0.15, "dqn", 2, 30.0, hparams={"overwrite": True, "skip_finished": True})
+    (res / "CartPole-v1/eps0.15/dqn/seed1/result.json").rename(res / "CartPole-v1/eps0.15/dqn/seed1/.replaced/result.json")
+    write_result(res, "CartPole-v1", 0.15, "dqn", 1, 20.0, hparams={"overwrite": True})
+    data = json.loads((res / "CartPole-v1/eps0.15/dqn/seed2/result.json").read_text())
+    data["evaluations"][-1]["return_std"] = float("nan")
+    (res / "CartPole-v1/eps0.15/dqn/seed2/result.json").write_text(json.dumps(data))
+    for seed in (1, 2):  # out of run_grid's layout: runs are grouped by their flags
+        (res / f"CartPole-v1/eps0.15/dqn/seed{seed}").rename(res / f"run{seed}")
+    assert aggregate.main([str(res), "--no-plots", "--out", str(tmp_path / "out")]) == 0
+    rows = list(csv.DictReader(open(tmp_path / "out" / "runs.csv")))
+    assert sorted((r["seed"], r["final_score"], r["eval_se"]) for r in rows) == [("1", "20.0000", "0.1581"),
+                                                                               ("2", "30.0000", "")]
+    assert len(list(csv.DictReader(open(tmp_path / "out" / "configs.csv")))) == 1
 
 
 def test_aggregate_merge_runs_with_sweeps_of_several_flags(tmp_path):

@@ -1021,6 +1021,17 @@ def test_no_certificate_where_beta_never_acts():
     assert same["off_support_mass"] == 0.0 and same["certified"] == 0.0
 
 
+def test_no_certificate_from_rounding_noise():
+    """One-step episodes with the same reward for either action: no policy improves on beta, and g and its standard
+    error are rounding noise (~1e-16) whose lower bound can land above 0; that is not certified."""
+    rng = np.random.default_rng(4)
+    data, beta = logged_batch(rng, episodes=300, length=1, epsilon=0.5, reward_of_action=[1.0, 1.0], noise=0.0)
+    cert, reason = common.certificate_data(data, beta, 0.9, behavior_of(common, data))
+    n = len(cert["rows"])
+    c = common.improvement_certificate(np.tile([1.0, 0.0], (n, 1)), np.ones((n, 2)), cert, 1.6448536269514722)
+    assert reason is None and 0 < c["certificate_lcb"] < 1e-12 and c["certified"] == 0.0
+
+
 def test_control_variate_batched_over_members():
     """control_variate fits every member's critic in one batched solve: each member's q_cv is bit for bit its fit
     alone, equals numpy's per-member least squares (the fit it replaced) to rounding, and a diverged member's NaN

@@ -56,7 +56,7 @@ def test_arrays_of_wrong_dtype_or_shape_are_refused_before_any_output(name, data
     module = load_script(name)
     src = datasets[0.15]
     with np.load(src) as f:
-        actions, obs, terminals = f["actions"], f["observations"], f["terminals"]
+        actions, obs, terminals, f_beta = f["actions"], f["observations"], f["terminals"], f["behavior_probs"]
     cases = {
         "float actions": (dict(actions=actions.astype(np.float32)), "actions has dtype float32"),
         "actions [N, 1]": (dict(actions=actions[:, None]), "actions has shape"),
@@ -73,6 +73,10 @@ def test_arrays_of_wrong_dtype_or_shape_are_refused_before_any_output(name, data
         "terminal and timeout": (dict(timeouts=terminals | True, terminals=terminals | True), "both terminal"),
         "epsilon NaN": (dict(epsilon=np.float64("nan")), "outside [0, 1]"),
         "behaviour floor array": (dict(behavior_floor=np.zeros(2)), "['behavior_floor'] must be single values"),
+        # beyond the 1,000 rows checked against the behaviour network: the logged action never taken by beta
+        "logged action at beta 0": (dict(behavior_probs=np.where(np.arange(len(actions))[:, None] >= 1000, np.eye(
+            2, dtype=np.float32)[1 - actions], f_beta)), "probability 0 to the logged action in"),
+        "rewards whose squares overflow": (dict(rewards=np.full(len(actions), 1e25, np.float32)), "rescale them"),
     }
     if name in ("brpo.py", "brpo_c.py"):  # they load the behaviour network
         with np.load(src) as f:
@@ -114,6 +118,7 @@ BAD_ARGS = {
     "threads beyond the cores": (dict(threads=10**6), "--threads"),
     "overwrite and skip": (dict(overwrite=True, skip_finished=True), "contradict each other"),
     "huge evaluation": (dict(eval_episodes=10**7), "--eval-episodes"),
+    "frequency beyond a long": (dict(eval_frequency=10**20), "--eval-frequency must lie in"),
     "batch beyond the data": (dict(batch_size=10**8), "--batch-size"),
     "no behaviour policy": (dict(env_id="MountainCar-v0", dataset_path=None), "no dataset for MountainCar-v0"),
     "observations not a vector": (dict(env_id="FrozenLake-v1", dataset_path=None), "only vector observations"),
@@ -327,6 +332,20 @@ def test_read_only_runs_dir_and_dataset_location(datasets, tmp_path):
                         "--dataset-path", ro / "d.npz"], drop_dac=True)
     failed_cleanly(proc, "cannot write")
     assert list(ro.iterdir()) == []
+
+
+def test_collect_data_behaviour_file_is_never_replaced_unasked_and_a_pipe_does_not_hang(tmp_path):
+    net = tmp_path / "net.npz"
+    net.write_bytes(b"a user's file")
+    proc = run([REPO / "collect_data.py", "--epsilon", "0.15", "--dataset-path", tmp_path / "d.npz", "--train-behavior",
+                "--behavior-path", net])
+    failed_cleanly(proc, "pass --overwrite to replace it")
+    assert net.read_bytes() == b"a user's file"
+    os.mkfifo(tmp_path / "fifo.npz")
+    proc = run([REPO / "collect_data.py", "--epsilon", "0.15", "--dataset-path", tmp_path / "d.npz", "--behavior-path",
+                tmp_path / "fifo.npz"], timeout=60)
+    failed_cleanly(proc, "is not a regular file")
+    assert not (tmp_path / "d.npz").exists()
 
 
 def test_collect_data_full_disk_and_bad_seeds(tmp_path):
