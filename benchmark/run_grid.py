@@ -298,7 +298,9 @@ def parse_sweep(spec: str, algos: list[str]) -> dict[str, dict[str, list]]:
         key, values = rest.split("=", 1)
     except ValueError:
         raise GridError(f"bad --sweep '{spec}' (expected ALGO:KEY=V1,V2,..., e.g. brpo_c:lam=0.25,0.5)") from None
-    vals = check_values([parse_value(v) for v in values.split(",") if v.strip()], f"bad --sweep '{spec}'")
+    if any(not v.strip() for v in values.split(",")):
+        raise GridError(f"bad --sweep '{spec}': an empty value; separate the values by single commas")
+    vals = check_values([parse_value(v) for v in values.split(",")], f"bad --sweep '{spec}'")
     targets = algos if algo_part.strip() in ("all", "*") else [canonical_algo(algo_part)]
     return {a: {norm_key(key): vals} for a in targets}
 
@@ -326,6 +328,8 @@ def load_grid_file(path: Path, algos: list[str]) -> dict[str, list[dict[str, lis
                 and all(isinstance(b, dict) for b in params)):
             raise GridError(f"grid file '{path}': entry for '{name}' must be an object of flag -> list of values, "
                             "or a non-empty list of such objects")
+        for block in param_blocks(params):
+            distinct_keys(block, f"grid file '{path}', {name}")
         blocks = [{norm_key(key): check_values(values if isinstance(values, list) else [values],
                                                f"grid file '{path}', {name}.{key}") for key, values in block.items()}
                   for block in param_blocks(params)]
@@ -345,6 +349,7 @@ def load_cells(path: Path, seeds: list[int]) -> list[Cell]:
                     or not 0.0 <= eps <= 1.0:
                 raise ValueError(f"entry {e}: needs an epsilon in [0, 1] and hparams as an object of flag: value")
             check_values(list(hp.values()) or [0], f"cells file '{path}', {e['algorithm']}")
+            distinct_keys(hp, f"cells file '{path}', {e['algorithm']}")
             for key in hp:
                 why = reserved(norm_key(key))
                 if why:
@@ -369,7 +374,18 @@ def check_values(values: list, where: str) -> list:
     for v in values:
         if not isinstance(v, (bool, int, float, str)) or (isinstance(v, float) and math.isnan(v)):
             raise GridError(f"{where}: {v!r} is not a number, a boolean or a string")
+        if isinstance(v, str) and ("," in v or not v.strip()):  # the scripts' --sweep separates values by commas
+            raise GridError(f"{where}: {v!r}: a value may not be empty or hold a comma; list the values separately")
     return values
+
+
+def distinct_keys(keys, where: str) -> None:
+    """Refuse two spellings of one flag (learning-rate and learning_rate): one would silently replace the other."""
+    seen = {}
+    for key in keys:
+        if norm_key(key) in seen:
+            raise GridError(f"{where}: '{seen[norm_key(key)]}' and '{key}' name the same flag; give it once")
+        seen[norm_key(key)] = key
 
 
 def merge_grids(*grids: dict) -> dict[str, list[dict[str, list]]]:
@@ -909,7 +925,13 @@ def _main(opts: argparse.Namespace) -> int:
                             "04:00:00, 2G or a partition name (letters, digits and : . , + - _)")
 
     grids = [load_grid_file(opts.grid, algos)] if opts.grid else []
-    grids += [parse_sweep(s, algos) for s in opts.sweep]
+    sweeps = [parse_sweep(s, algos) for s in opts.sweep]
+    named = [(a, k) for sweep in sweeps for a, block in sweep.items() for k in block]
+    twice = sorted({f"{a}:{k}" for a, k in named if named.count((a, k)) > 1})
+    if twice:
+        raise GridError(f"--sweep sets {', '.join(twice)} twice (the last would replace the first); give all values "
+                        "in one --sweep, e.g. dqn:tau=0.5,1")
+    grids += sweeps
     grid = {a: p for a, p in merge_grids(*grids).items() if a in algos}
 
     settings = {"total_steps": opts.total_steps, "eval_frequency": opts.eval_frequency,

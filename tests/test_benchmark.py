@@ -360,11 +360,28 @@ def test_packs_never_train_a_cell_outside_the_grid():
     (["--heartbeat", "nan"], "--heartbeat must be a positive"),
     (["--slurm", "--slurm-max-parallel", "-1"], "--slurm-max-parallel must be >= 1"),
     (["--slurm", "--slurm-time", "1:00\n#SBATCH --x"], "--slurm-time"),
+    (["--sweep", "dqn:tau=0.5", "--sweep", "dqn:tau=1"], "sets dqn:tau twice"),
+    (["--sweep", "dqn:learning_rate=1e-3,,2e-3"], "an empty value"),
 ])
 def test_bad_input_one_line_error(argv, message, capsys, tmp_path):
     assert run_grid.main(["--dry-run", "--out", str(tmp_path), *argv]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("run_grid.py: error:") and message in err[0]
+
+
+def test_grid_and_cells_files_name_each_flag_once_and_values_without_commas(tmp_path, capsys):
+    grid = tmp_path / "g.json"
+    grid.write_text(json.dumps({"algorithms": {"dqn": {"learning-rate": [0.001], "learning_rate": [0.0003]}}}))
+    assert run_grid.main(["--grid", str(grid), "--dry-run", "--out", str(tmp_path / "o")]) == 2
+    assert "'learning-rate' and 'learning_rate' name the same flag" in capsys.readouterr().err
+    cells = tmp_path / "c.json"
+    for hp, message in (({"learning-rate": 0.001, "learning_rate": 0.0003}, "name the same flag"),
+                        ({"run_label": "1e-3,2e-3"}, "may not be empty or hold a comma")):
+        cells.write_text(json.dumps({"cells": [{"env_id": "CartPole-v1", "epsilon": 0.15, "algorithm": "dqn",
+                                                "hparams": hp}]}))
+        assert run_grid.main(["--cells", str(cells), "--dry-run", "--out", str(tmp_path / "o")]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and message in err[0], err
 
 
 def test_unwritable_out_is_one_line(repo, tmp_path, capsys):
