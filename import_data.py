@@ -385,7 +385,7 @@ def main(args: Args) -> None:
         require(obs.ndim == 2 and a.ndim == 1 and len(a) > 0, f"logs {source} lack observations (N, size) or actions")
         require(np.isfinite(a).all(), f"logs {source}: actions contain NaN or inf")
         obs_dim = obs.shape[1]
-        n_actions = args.n_actions or (np.asarray(logs["behavior_probs"]).shape[-1] if "behavior_probs" in logs
+        n_actions = args.n_actions if args.n_actions is not None else (np.asarray(logs["behavior_probs"]).shape[-1] if "behavior_probs" in logs
                                        else int(a.max()) + 1)
         require(2 <= n_actions <= MAX_ACTIONS, f"logs {source} show {n_actions:.3g} action(s); at least 2 and at most "
                 f"{MAX_ACTIONS} are supported (pass --n-actions if the logs do not show every action)")

@@ -58,6 +58,8 @@ def plain_loop(env_id, act, copies, episodes, seed):
 
 def main(args: Args) -> None:
     torch.set_num_threads(1)
+    for name in ("copies", "episodes", "repeats"):
+        common.require(getattr(args, name) >= 1, f"--{name} must be at least 1, got {getattr(args, name)}")
     path = REPO / "datasets" / f"{args.env_id}_eps{args.epsilon:g}.npz"
     common.require(path.is_file(), f"{path} not found; python collect_data.py --env-id {args.env_id} --epsilon "
                    f"{args.epsilon:g}")

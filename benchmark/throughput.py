@@ -106,9 +106,27 @@ def run_script(script: str, args: Args, members: int, steps: int, eval_frequency
     return json.loads((out / name / "1" / "result.json").read_text())
 
 
+def check_args(args: Args) -> None:
+    """One line and exit 1 on a bad flag, before any dataset is made or anything is timed."""
+    def fail(msg):
+        raise SystemExit(f"throughput.py: error: {msg}")
+    if args.env_id not in ("CartPole-v1", "Acrobot-v1", "LunarLander-v3"):  # the tasks with a behaviour network
+        fail(f"--env-id must be CartPole-v1, Acrobot-v1 or LunarLander-v3, got {args.env_id}")
+    if args.epsilon not in (0.05, 0.15, 0.25, 0.5, 1.0):
+        fail(f"--epsilon must be one of the datasets' 0.05, 0.15, 0.25, 0.5, 1, got {args.epsilon:g}")
+    for name in ("updates", "repeats"):
+        if getattr(args, name) < 1:
+            fail(f"--{name} must be at least 1, got {getattr(args, name)}")
+    if not args.members or min(args.members) < 1:
+        fail(f"--members must be at least 1 each, got {args.members}")
+    if args.eval_share_steps < 0:
+        fail(f"--eval-share-steps must be >= 0, got {args.eval_share_steps}")
+
+
 def main(args: Args) -> None:
     import gymnasium as gym
 
+    check_args(args)
     env = gym.make(args.env_id)
     obs_dim, n_actions = env.observation_space.shape[0], env.action_space.n
     if args.reference_only:

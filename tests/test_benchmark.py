@@ -369,6 +369,16 @@ def test_bad_input_one_line_error(argv, message, capsys, tmp_path):
     assert len(err) == 1 and err[0].startswith("run_grid.py: error:") and message in err[0]
 
 
+def test_benchmark_tools_refuse_bad_flags_in_one_line(tmp_path):
+    for script, argv, needle in (("throughput.py", ["--env-id", "Foo-v0"], "--env-id must be"),
+                                 ("throughput.py", ["--epsilon", "0.3"], "--epsilon must be one of"),
+                                 ("throughput.py", ["--repeats", "0"], "--repeats must be at least 1"),
+                                 ("evaluator.py", ["--copies", "0"], "--copies must be at least 1")):
+        proc = subprocess.run([sys.executable, str(BENCH / script), *argv], capture_output=True, text=True, cwd=tmp_path)
+        assert proc.returncode == 1 and proc.stderr.strip().count("\n") == 0 and needle in proc.stderr, proc.stderr
+    assert not list(tmp_path.iterdir())
+
+
 def test_grid_and_cells_files_name_each_flag_once_and_values_without_commas(tmp_path, capsys):
     grid = tmp_path / "g.json"
     grid.write_text(json.dumps({"algorithms": {"dqn": {"learning-rate": [0.001], "learning_rate": [0.0003]}}}))

@@ -186,6 +186,8 @@ def test_bad_invocations(own, tmp_path):
                          (["--logs", tmp_path / "logs.npz", "--env-id", "Acrobot-v1"], "observations have 4 values"),
                          (["--logs", tmp_path / "logs.npz", "--env-id", "MyTask-v0", "--n-actions", "100000000"],
                           "at most 1000 are supported"),
+                         (["--logs", tmp_path / "logs.npz", "--env-id", "MyTask-v0", "--n-actions", "0"],
+                          "show 0 action(s)"),
                          (["--logs", tmp_path / "text.npz", "--env-id", "CartPole-v1"], "not an .npz archive"),
                          (["--logs", tmp_path / "objects.npz", "--env-id", "CartPole-v1"], "holds object arrays")):
         proc = run([REPO / "import_data.py", *argv])
