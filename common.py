@@ -1232,7 +1232,7 @@ class Members:
     def __init__(self, runs: list, datasets: dict, dirs: list, obs_dim: int, n_actions: int):
         self.args, self.M, self.obs_dim, self.n_actions = runs, len(runs), obs_dim, n_actions
         self.first = runs[0]
-        self.paths = [p for p, _ in (datasets[a.epsilon] for a in runs)]
+        self.paths = [p.resolve() for p, _ in (datasets[a.epsilon] for a in runs)]
         self.data = [d for _, d in (datasets[a.epsilon] for a in runs)]
         self.dirs, self.writers = [d for d, _ in dirs], [w for _, w in dirs]
         self.records, self.alive = [[] for _ in runs], [True] * len(runs)
@@ -1385,6 +1385,9 @@ class Members:
         for m, (args, records) in enumerate(zip(self.args, self.records)):
             if not self.alive[m]:
                 continue
+            # a dataset named relative to the working directory is recorded absolute, so that certify.py and
+            # --eval-checkpoint find the same file from anywhere
+            args = replace(args, dataset_path=str(self.paths[m]) if args.dataset_path else None)
             # without a simulator an evaluation that deployed beta (the safety test) scores beta's gain over itself: 0
             final_score = float(np.mean([e["return_mean"] if self.simulator else e["certificate"]
                                          if e.get("deployed", "pi") == "pi" else 0.0 for e in records[-10:]]))

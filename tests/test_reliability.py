@@ -9,6 +9,7 @@ import fcntl
 import json
 import os
 import resource
+import shutil
 import signal
 import subprocess
 import sys
@@ -332,6 +333,20 @@ def test_read_only_runs_dir_and_dataset_location(datasets, tmp_path):
                         "--dataset-path", ro / "d.npz"], drop_dac=True)
     failed_cleanly(proc, "cannot write")
     assert list(ro.iterdir()) == []
+
+
+def test_a_relative_dataset_path_is_recorded_absolute(datasets, tmp_path):
+    """certify.py (and --eval-checkpoint) find the batch from any working directory."""
+    (tmp_path / "ds").mkdir()
+    shutil.copy(datasets[0.15], tmp_path / "ds" / "b.npz")
+    proc = run([REPO / "dqn_offline.py", "--dataset-path", "ds/b.npz", *TINY, "--save-model", "--run-name", "r",
+                "--no-tensorboard"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads((tmp_path / "runs" / "r" / "result.json").read_text())
+    absolute = str((tmp_path / "ds" / "b.npz").resolve())
+    assert result["dataset_path"] == result["args"]["dataset_path"] == absolute
+    proc = run([REPO / "certify.py", tmp_path / "runs" / "r" / "model.pt", "--json"], cwd=tmp_path / "ds")
+    assert proc.returncode == 0 and json.loads(proc.stdout)["dataset_path"] == absolute, proc.stderr
 
 
 def test_collect_data_behaviour_file_is_never_replaced_unasked_and_a_pipe_does_not_hang(tmp_path):
