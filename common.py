@@ -13,6 +13,7 @@ import itertools
 import json
 import math
 import os
+import re
 import resource
 import shutil
 import signal
@@ -1169,9 +1170,13 @@ def member_args(args, check, member_flags: tuple = ()) -> list:
         if args.run_name and (args.seeds or args.epsilons or sweep):
             try:
                 # plain field names only: str.format would also follow {seed.attr} and {seed[0]}
-                named = [f for _, f, _, _ in string.Formatter().parse(args.run_name) if f is not None]
+                parsed = [(f, spec) for _, f, spec, _ in string.Formatter().parse(args.run_name) if f is not None]
+                named = [f for f, _ in parsed]
                 if any(f not in text for f in named):
                     raise KeyError(next(f for f in named if f not in text))
+                # a width such as {seed:>100000000} would build the name before its length is checked
+                require(all(int(w) <= 255 for _, spec in parsed for w in re.findall(r"\d+", spec or "")),
+                        f"--run-name {args.run_name[:100]!r}: a field's width may be at most 255")
                 a = replace(a, run_name=args.run_name.format(**text))
             except (KeyError, IndexError, ValueError) as e:
                 fail(f"--run-name {args.run_name!r}: a template may name {{{'}, {'.join(text)}}}, not {e}")
