@@ -377,8 +377,9 @@ def main(args: Args) -> None:
             is_dir, exists = out.is_dir(), out.exists()
         except OSError as e:  # e.g. a name longer than the file system allows
             fail(f"--dataset-path {out} is invalid ({e.strerror})")
-        if is_dir:
-            fail(f"--dataset-path {out} is a directory; name the .npz file to write")
+        if is_dir or exists and not out.is_file():
+            fail(f"--dataset-path {out} is " + ("a directory" if is_dir else "not a regular file (a pipe or device)")
+                 + "; name the .npz file to write")
         if exists and not args.overwrite:
             print(f"{out} exists; keeping it (use --overwrite to regenerate)")
             continue

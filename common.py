@@ -1181,6 +1181,8 @@ def member_args(args, check, member_flags: tuple = ()) -> list:
             except (KeyError, IndexError, ValueError) as e:
                 fail(f"--run-name {args.run_name!r}: a template may name {{{'}, {'.join(text)}}}, not {e}")
         elif not args.run_name:
+            require(all(v not in ("", ".", "..") and v.isprintable() and "\\" not in v for v in a.env_id.split("/")),
+                    f"--env-id {a.env_id!r} cannot start a run directory's name; pass --run-name")
             config = "".join(f"__{k}={text[k]}" for k in values)
             a = replace(a, run_name=f"{a.env_id}__eps{text['epsilon']}__{a.exp_name}{config}__{seed}__{stamp}")
         check(a)

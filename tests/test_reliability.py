@@ -349,6 +349,13 @@ def test_a_relative_dataset_path_is_recorded_absolute(datasets, tmp_path):
     assert proc.returncode == 0 and json.loads(proc.stdout)["dataset_path"] == absolute, proc.stderr
 
 
+def test_a_task_name_that_cannot_name_a_directory_asks_for_run_name(datasets, tmp_path):
+    path = rewritten(datasets[0.15], tmp_path / "esc.npz", env_id=np.array("../escape"))
+    proc = run([REPO / "dqn_offline.py", "--env-id", "../escape", "--dataset-path", path, *TINY], cwd=tmp_path)
+    failed_cleanly(proc, "--env-id '../escape' cannot start a run directory's name; pass --run-name")
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "escape__eps0.15").exists()
+
+
 def test_collect_data_behaviour_file_is_never_replaced_unasked_and_a_pipe_does_not_hang(tmp_path):
     net = tmp_path / "net.npz"
     net.write_bytes(b"a user's file")
@@ -361,6 +368,8 @@ def test_collect_data_behaviour_file_is_never_replaced_unasked_and_a_pipe_does_n
                 tmp_path / "fifo.npz"], timeout=60)
     failed_cleanly(proc, "is not a regular file")
     assert not (tmp_path / "d.npz").exists()
+    proc = run([REPO / "collect_data.py", "--epsilon", "0.15", "--dataset-path", tmp_path / "fifo.npz"], timeout=60)
+    failed_cleanly(proc, "is not a regular file (a pipe or device)")
 
 
 def test_collect_data_full_disk_and_bad_seeds(tmp_path):
