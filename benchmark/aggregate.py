@@ -112,9 +112,12 @@ def malformed(data: dict) -> str | None:
         return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
     if not number(data.get("epsilon")) or not isinstance(data.get("seed"), int) or isinstance(data["seed"], bool):
         return "epsilon or seed is not a number"
+    if not 0.0 <= data["epsilon"] <= 1.0 or data["seed"] < 0:
+        return f"epsilon {data['epsilon']} outside [0, 1] or seed {data['seed']} negative"
     if abs(data["final_score"]) > 1e15:  # no return is that large; means of such numbers would overflow
         return f"final_score {data['final_score']:.3g} is not a plausible return"
-    if not all(isinstance(e.get("step"), int) and number(e.get("return_mean")) for e in data["evaluations"]):
+    if not all(isinstance(e.get("step"), int) and not isinstance(e["step"], bool) and number(e.get("return_mean"))
+               for e in data["evaluations"]):
         return "an evaluation's step or return_mean is not a number"
     if data.get("behavior_return") is not None and not number(data["behavior_return"]):
         return "behavior_return is not a finite number"

@@ -910,7 +910,8 @@ def test_aggregate_errors(tmp_path, capsys):
     good = {"algorithm": "bc", "env_id": "CartPole-v1", "epsilon": 0.15, "seed": 1, "final_score": 1.0,
             "evaluations": [{"step": 1000, "return_mean": 1.0, "return_std": 0.0}], "args": {}, "extra": {}}
     for i, bad in enumerate([{"epsilon": float("nan")}, {"seed": "abc"}, {"extra": [1, 2]},
-                             {"evaluations": [{"step": "abc", "return_mean": 1.0}]}, {"final_score": 1.7e308}]):
+                             {"evaluations": [{"step": "abc", "return_mean": 1.0}]}, {"final_score": 1.7e308},
+                             {"epsilon": 7.0}, {"seed": -3}, {"evaluations": [{"step": True, "return_mean": 1.0}]}]):
         (tmp_path / "bad" / f"r{i}").mkdir(parents=True)
         (tmp_path / "bad" / f"r{i}" / "result.json").write_text(json.dumps({**good, **bad}))
     assert aggregate.main([str(tmp_path / "bad"), "--no-plots"]) == 2
