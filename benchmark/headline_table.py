@@ -34,9 +34,15 @@ def number(row: dict, column: str, path: Path) -> float:
 
 def selected_means(result_dir: Path) -> dict:
     path = result_dir / "configs.csv"
-    return {(r["env_id"], round(number(r, "epsilon", path), 6), r["algorithm"]): number(r, "mean", path)
-            for r in read_table(path, ("env_id", "epsilon", "algorithm", "selected", "mean"), f"'{path}'", "a configs.csv")
-            if r["selected"] == "1"}
+    means = {}
+    for r in read_table(path, ("env_id", "epsilon", "algorithm", "selected", "mean"), f"'{path}'", "a configs.csv"):
+        if r["selected"] == "1":
+            key = (r["env_id"], round(number(r, "epsilon", path), 6), r["algorithm"])
+            if key in means:  # aggregate.py selects one configuration per cell
+                raise AggregateError(f"'{path}': two selected configurations for {key[2]} on {key[0]} eps {key[1]:g}; "
+                                     "regenerate it with benchmark/aggregate.py")
+            means[key] = number(r, "mean", path)
+    return means
 
 
 def behaviour_returns(result_dir: Path) -> dict:

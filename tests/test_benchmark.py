@@ -1213,3 +1213,7 @@ def test_readme_headline_table_is_what_the_committed_results_give(tmp_path):
     proc = subprocess.run([sys.executable, str(BENCH / "headline_table.py"), str(BENCH / "table1_result"), str(bad)],
                           capture_output=True, text=True)
     assert proc.returncode == 1 and proc.stdout == "" and "bad mean 'nan'" in proc.stderr
+    (bad / "configs.csv").write_text("env_id,epsilon,algorithm,selected,mean\n" + "CartPole-v1,0.05,BRPO,1,1.0\n" * 2)
+    proc = subprocess.run([sys.executable, str(BENCH / "headline_table.py"), str(BENCH / "table1_result"), str(bad)],
+                          capture_output=True, text=True)
+    assert proc.returncode == 1 and proc.stdout == "" and "two selected configurations for BRPO" in proc.stderr
