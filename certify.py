@@ -6,9 +6,9 @@ model.pt (--save-model), from the logged returns of the batch alone.
 
 It estimates the first-order improvement g of pi over beta along beta + c (pi - beta) (the policy-gradient identity,
 doubly robust, cross-fitted over episodes), its standard error over the logged episodes, and the one-sided lower
-bound g - z se: "certified" when that bound is above 0 (above rounding: 1e-9 times the largest |return|). What this does and does not guarantee: docs/brpo.md,
-"The improvement certificate". The control variate uses the policy's own critic where it has one (the behaviour
-network's otherwise). For a brpo.py or brpo_c.py model this is the g and standard error of its last evaluation
+bound g - z se: "certified" when that bound is above 0 (above rounding: 1e-9 times the largest |return|). What
+this does and does not guarantee: docs/brpo.md, "The improvement certificate". The control variate uses the
+policy's own critic where it has one (the behaviour network's otherwise). For a brpo.py or brpo_c.py model this is the g and standard error of its last evaluation
 (the deployed policy, with its certificate discount); their lower bound there is simultaneous over the
 --deploy-pessimism levels (Bonferroni), here it is for this one policy.
 """

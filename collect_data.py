@@ -269,7 +269,7 @@ def load_behavior(path: Path, env: gym.Env) -> dict:
         with np.errstate(over="ignore"):
             if w.dtype.kind != "f" or w.shape != shape or not np.isfinite(w.astype(np.float32)).all():
                 fail(f"behaviour network {path}: {k} is not an array of shape {shape} of finite float32 numbers (obs -> "
-                     f"32 -> 16 -> {n_actions}); retrain with --train-behavior")
+                     f"32 -> 16 -> {n_actions}); retrain it with --train-behavior --overwrite")
     return weights
 
 

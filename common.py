@@ -1498,9 +1498,7 @@ def certificate_data(data: dict, beta: np.ndarray, gamma: float, behavior: Behav
     n_episodes = int(episode.max()) + 1 if len(rows) else 0
     if n_episodes < MIN_CERT_EPISODES:
         return None, f"the batch holds {n_episodes} complete episode(s); the certificate needs {MIN_CERT_EPISODES}"
-    beta_taken = beta[rows, actions[rows]]
-    if not (beta_taken > 0).all():
-        return None, "the stored behaviour policy gives probability 0 to logged actions (was the batch drawn from it?)"
+    beta_taken = beta[rows, actions[rows]]  # > 0: load_dataset refuses a batch whose beta never takes a logged action
     rewards = data["rewards"].astype(np.float64)
     returns, acc = np.zeros(n), 0.0
     for t in range(n - 1, -1, -1):  # discounted return-to-go inside each episode
@@ -1572,7 +1570,7 @@ def improvement_certificate(pi: np.ndarray, q: np.ndarray, cert: dict, z: float,
     Returns g, its standard error over episodes, the one-sided lower bound g - z se and whether it is > 0."""
     q_cv = control_variate(q, cert) if q_cv is None else q_cv
     direct = row_sum((pi - cert["beta"]) * q_cv)
-    weight = taken(pi, cert["actions"]) / cert["beta_taken"] - 1.0  # beta(a_t|s_t) > 0 (certificate_data)
+    weight = taken(pi, cert["actions"]) / cert["beta_taken"] - 1.0  # beta(a_t|s_t) > 0 (load_dataset)
     per_step = direct + weight * (cert["returns"] - taken(q_cv, cert["actions"]))
     per_episode = np.bincount(cert["episode"], weights=per_step, minlength=cert["n_episodes"])
     g = float(per_episode.mean())

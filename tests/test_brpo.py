@@ -1084,17 +1084,14 @@ def test_sort_rows_is_numpys_sort(k):
 
 
 def test_certificate_refuses_batches_without_returns():
-    """Shuffled rows have no returns-to-go; logged actions with probability 0 under the stored beta were not
-    drawn from it; one complete episode has no standard error. Each is refused with a reason, not a number."""
+    """Shuffled rows have no returns-to-go; one complete episode has no standard error. Each is refused with a
+    reason, not a number. (Logged actions with probability 0 under the stored beta: load_dataset refuses the batch.)"""
     m = common
     rng = np.random.default_rng(2)
     data, beta = logged_batch(rng, episodes=50, length=6, epsilon=0.3, reward_of_action=[1.0, 0.0])
     perm = rng.permutation(len(beta))
     shuffled = {k: v[perm] if k.startswith(("obs", "next", "act", "rew", "term", "time")) else v for k, v in data.items()}
     assert "episode order" in m.certificate_data(shuffled, beta[perm], 0.99, behavior_of(m, data))[1]
-    zero = beta.copy()
-    zero[:, 1] = np.where(data["actions"] == 1, 0.0, zero[:, 1])
-    assert "probability 0" in m.certificate_data(data, zero, 0.99, behavior_of(m, data))[1]
     one = {k: v[:6] if k.startswith(("obs", "next", "act", "rew", "term", "time")) else v for k, v in data.items()}
     assert "1 complete episode" in m.certificate_data(one, beta[:6], 0.99, behavior_of(m, data))[1]
 
