@@ -35,7 +35,6 @@ import numpy as np
 import torch
 import torch.nn as nn
 import tyro
-from torch.utils.tensorboard import SummaryWriter
 
 REPO = Path(__file__).resolve().parent
 FORMAT_VERSION = 2  # of datasets; 1: collect_data.py's datasets before imported ones (still read)
@@ -305,6 +304,7 @@ def load_dataset(args, obs_dim: int, n_actions: int, behavior_network: bool = Fa
         raise
     except Exception as e:  # truncated or corrupt zip, an object array (pickle), I/O error
         fail(f"dataset {path} is unreadable ({npz_error(path, e)}); recreate it with: {how}")
+    obs_dtype = d["observations"].dtype  # before the conversion below: a lower precision explains a beta mismatch
     for k, (kind, row) in spec.items():  # in this order: the single values say what the arrays should be
         x = d[k]
         if x.dtype.kind not in {"real": "iuf", "int": "iu", "bool": "b", "str": "U"}[kind] and not (
@@ -372,7 +372,9 @@ def load_dataset(args, obs_dim: int, n_actions: int, behavior_network: bool = Fa
         beta = behavior_policy(d)(check).numpy()
         # an imported dataset's logged propensities are authoritative; its network estimates beta elsewhere
         if d["behavior_kind"] == "epsilon_greedy" and not np.allclose(beta, d["behavior_probs"][:1000], atol=1e-5):
-            fail(f"dataset {path}: behavior_probs disagree with the stored behaviour network and epsilon; "
+            low = (f" (its observations are stored as {obs_dtype}, whose rounding changes beta: store them as "
+                   "float32)") if obs_dtype.kind == "f" and obs_dtype.itemsize < 4 else ""
+            fail(f"dataset {path}: behavior_probs disagree with the stored behaviour network and epsilon{low}; "
                  f"recreate it with: {how}")
     return path, d
 
@@ -483,7 +485,9 @@ def run_directory(args):
                 for p in run_files(run_dir):
                     p.replace(run_dir / REPLACED / p.name)
             remove_run_files(run_dir)
-            writer = SummaryWriter(str(run_dir)) if args.tensorboard else None
+            if args.tensorboard:  # imported here: it costs ~0.5 s, which a --no-tensorboard run does not pay
+                from torch.utils.tensorboard import SummaryWriter
+                writer = SummaryWriter(str(run_dir))
             if writer:
                 writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(
                     f"|{k}|{v}|" for k, v in vars(args).items()))

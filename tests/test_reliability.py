@@ -437,6 +437,11 @@ def test_brpo_documented_settings_and_limits(name, datasets, tmp_path):
         probs = f["behavior_probs"]
     mislabelled = rewritten(datasets[0.15], tmp_path / "mislabelled.npz", behavior_probs=probs[:2000])
     assert "disagree" in one_line_failure(module, tmp_path / "r2", dataset_path=mislabelled)
+    with np.load(datasets[0.15]) as f:  # a lower precision moves some argmax: the message names it
+        half = {k: f[k].astype(np.float16) for k in ("observations", "next_observations")}
+    half_precision = rewritten(datasets[0.15], tmp_path / "half.npz", **half)
+    message = one_line_failure(module, tmp_path / "r3", dataset_path=half_precision)
+    assert "disagree" in message and "float16" in message
 
 
 @pytest.mark.parametrize("sig, delay", [(signal.SIGINT, 0.6), (signal.SIGTERM, 0.6)])
