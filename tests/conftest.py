@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
+import runpy
+import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -17,6 +22,31 @@ ALGORITHMS = ("dqn_offline.py", "bc.py", "brpo.py", "brpo_c.py", "bcq_discrete.p
 def run(args: list[str], cwd: Path | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
     """Run a repo script with the current interpreter, capturing its output."""
     return subprocess.run([sys.executable, *map(str, args)], capture_output=True, text=True, cwd=cwd, timeout=timeout)
+
+
+def run_in_process(args: list[str]) -> subprocess.CompletedProcess:
+    """`run` for a repo script in this process (as __main__, its output captured): for invocations that end before
+    training, where a new interpreter would spend most of the time importing torch. A message exit is exit code 1
+    with the message on stderr, as the interpreter does; the signal handlers and thread hook the script installs
+    are restored."""
+    argv = [str(a) for a in args]
+    saved = sys.argv, signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM), threading.excepthook
+    out, err, code = io.StringIO(), io.StringIO(), 0
+    try:
+        sys.argv = argv
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                runpy.run_path(argv[0], run_name="__main__")
+            except SystemExit as e:
+                if isinstance(e.code, str):
+                    print(e.code, file=sys.stderr)
+                code = 1 if isinstance(e.code, str) else (e.code or 0)
+    finally:
+        sys.argv = saved[0]
+        signal.signal(signal.SIGINT, saved[1])
+        signal.signal(signal.SIGTERM, saved[2])
+        threading.excepthook = saved[3]
+    return subprocess.CompletedProcess(argv, code, out.getvalue(), err.getvalue())
 
 
 def make_dataset(path: Path, env_id: str = "CartPole-v1", epsilon: float = 0.15, n: int = 2000, seed: int = 0) -> Path:

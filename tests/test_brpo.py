@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import REPO, run
+from conftest import REPO, run, run_in_process
 import common
 from test_common import load_script
 
@@ -756,10 +756,11 @@ def test_kl_fit_loss(brpo):
 
 
 # ---------------------------------------------------------------------------------------------
-# End to end (subprocess, tiny budgets)
+# End to end (the command line run in this process: test_common runs each script as a new process; tiny budgets)
 # ---------------------------------------------------------------------------------------------
 def train(script, dataset, tmp_path, name, *extra):
-    proc = run([REPO / script, "--dataset-path", dataset, "--runs-dir", tmp_path / "runs", "--run-name", name, *TINY, *extra])
+    proc = run_in_process([REPO / script, "--dataset-path", dataset, "--runs-dir", tmp_path / "runs", "--run-name", name,
+                           *TINY, *extra])
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads((tmp_path / "runs" / name / "result.json").read_text())
 
@@ -768,23 +769,23 @@ def test_brpo_variants_tool(datasets, tmp_path):
     """benchmark/brpo_variants.py on a saved model: every variant is scored, reproducibly; bad input fails clearly."""
     train("brpo.py", datasets[0.15], tmp_path, "m", "--save-model")
     model = tmp_path / "runs" / "m" / "model.pt"
-    proc = run([REPO / "benchmark" / "brpo_variants.py", model, "--episodes", "3"])
+    proc = run_in_process([REPO / "benchmark" / "brpo_variants.py", model, "--episodes", "3"])
     assert proc.returncode == 0, proc.stderr
     scores = dict(re.findall(r"^(\S+)\s+(-?[\d.]+)\s+\(s\.e\.", proc.stdout, re.M))
     assert set(scores) == {"pi", "beta", "greedy", "lam-const", "w-zero", "no-pess", "uniform"}
     assert all(np.isfinite(float(v)) for v in scores.values())
-    again = run([REPO / "benchmark" / "brpo_variants.py", model, "--episodes", "3"])
+    again = run_in_process([REPO / "benchmark" / "brpo_variants.py", model, "--episodes", "3"])
     assert again.stdout == proc.stdout  # same start states and sampling seeds: the same numbers
-    cert = run([REPO / "benchmark" / "brpo_variants.py", model, "--episodes", "1", "--certificate",
+    cert = run_in_process([REPO / "benchmark" / "brpo_variants.py", model, "--episodes", "1", "--certificate",
                 "--variants", "pi", "beta", "pess=0.5"])
     assert cert.returncode == 0, cert.stderr
     rows = re.findall(r"^  (\S+)\s+-?[\d.]+ \+- [\d.]+\s+lcb\s+(-?[\d.]+)\s+tv\s+([\d.]+)", cert.stdout, re.M)
     lcb, tv = {v: float(l) for v, l, _ in rows}, {v: float(t) for v, _, t in rows}
     assert set(lcb) == {"pi", "beta", "pess=0.5"} and lcb["beta"] == 0.0  # beta's improvement over itself
     assert tv["beta"] == 0.0 and 0.0 < tv["pi"] < 1.0 and tv["pess=0.5"] != tv["pi"]
-    bad = run([REPO / "benchmark" / "brpo_variants.py", tmp_path / "none.pt"])
+    bad = run_in_process([REPO / "benchmark" / "brpo_variants.py", tmp_path / "none.pt"])
     assert bad.returncode != 0 and "cannot read" in bad.stderr
-    bad = run([REPO / "benchmark" / "brpo_variants.py", model, "--variants", "nope"])
+    bad = run_in_process([REPO / "benchmark" / "brpo_variants.py", model, "--variants", "nope"])
     assert bad.returncode != 0 and "unknown variant" in bad.stderr
 
 
@@ -810,7 +811,8 @@ def test_end_to_end_deterministic(script, datasets, tmp_path):
         assert np.isfinite(r1["extra"][key])
     assert r1["extra"]["tv_to_beta"] > 0  # pi is not beta
     if script == "brpo.py":
-        proc = run([REPO / script, "--eval-checkpoint", tmp_path / "runs" / "a" / "model.pt", "--eval-episodes", "2"])
+        model = tmp_path / "runs" / "a" / "model.pt"
+        proc = run_in_process([REPO / script, "--eval-checkpoint", model, "--eval-episodes", "2"])
         assert proc.returncode == 0, proc.stderr
         assert f"{r1['evaluations'][-1]['return_mean']:.2f}" in proc.stdout  # same policy, same eval seed
 
@@ -873,7 +875,8 @@ def test_deployed_pessimism_rule(script, datasets, tmp_path):
     assert branches == {"certified", "nearest"}
     assert both["extra"]["deployed_pessimism"] == both["evaluations"][-1]["pessimism"]
     if script == "brpo.py":
-        proc = run([REPO / script, "--eval-checkpoint", tmp_path / "runs" / "b" / "model.pt", "--eval-episodes", "2"])
+        model = tmp_path / "runs" / "b" / "model.pt"
+        proc = run_in_process([REPO / script, "--eval-checkpoint", model, "--eval-episodes", "2"])
         assert proc.returncode == 0, proc.stderr
         assert f"{both['evaluations'][-1]['return_mean']:.2f}" in proc.stdout
 
@@ -1102,8 +1105,8 @@ def test_deployment_of_many_members_on_one_dataset(script, datasets, tmp_path):
     the first and the last (the second group) certify and deploy what their single runs do."""
     seeds = [str(s) for s in range(1, 28)]
     result = lambda name: json.loads((tmp_path / "runs" / name / "result.json").read_text())  # noqa: E731
-    proc = run([REPO / script, "--dataset-path", datasets[0.15], "--runs-dir", tmp_path / "runs", "--run-name", "m{seed}",
-                *TINY, "--seeds", *seeds])
+    proc = run_in_process([REPO / script, "--dataset-path", datasets[0.15], "--runs-dir", tmp_path / "runs",
+                           "--run-name", "m{seed}", *TINY, "--seeds", *seeds])
     assert proc.returncode == 0, proc.stderr[-3000:]
     for seed in ("1", "27"):
         member, alone = result(f"m{seed}"), train(script, datasets[0.15], tmp_path, f"a{seed}", "--seed", seed)
@@ -1119,8 +1122,8 @@ def test_members_of_different_pessimism_deploy_their_own_levels(script, datasets
     """--sweep pessimism=0,1 in one process: each member chooses among its own levels ((0,) and (1, 0)), with its own
     Bonferroni z, exactly as its single run does (the first member's levels once served all)."""
     flags = ["--kappa-max", "0.01", "--seed", "4"]
-    proc = run([REPO / script, "--dataset-path", datasets[0.15], "--runs-dir", tmp_path / "runs", "--run-name",
-                "p{pessimism}", *TINY, *flags, "--sweep", "pessimism=0,1"])
+    proc = run_in_process([REPO / script, "--dataset-path", datasets[0.15], "--runs-dir", tmp_path / "runs",
+                           "--run-name", "p{pessimism}", *TINY, *flags, "--sweep", "pessimism=0,1"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     for p in ("0", "1"):
         member = json.loads((tmp_path / "runs" / f"p{p}" / "result.json").read_text())
@@ -1139,8 +1142,8 @@ def test_members_of_different_pessimism_deploy_their_own_levels(script, datasets
 def test_conservative_critic_members(script, datasets, tmp_path):
     """--cql-alpha (departure 13) as a member flag: each member of --sweep cql_alpha=0,1 is its single run, and the
     conservative member's trained critic differs from the paper's critic's (the term is not dropped)."""
-    proc = run([REPO / script, "--dataset-path", datasets[0.15], "--runs-dir", tmp_path / "runs", "--run-name",
-                "c{cql_alpha}", *TINY, "--seed", "2", "--sweep", "cql_alpha=0,1", "--save-model"])
+    proc = run_in_process([REPO / script, "--dataset-path", datasets[0.15], "--runs-dir", tmp_path / "runs",
+                           "--run-name", "c{cql_alpha}", *TINY, "--seed", "2", "--sweep", "cql_alpha=0,1", "--save-model"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     weights = {}
     for alpha in ("0", "1"):
@@ -1161,7 +1164,8 @@ def test_safety_test_deploys_beta_until_certified(script, datasets, tmp_path):
     assert gated["extra"]["deployed_pi"] == 0.0 and gated["extra"]["certificate"] == 0.0
     # the decision travels with the saved model: re-evaluating it deploys beta too
     gated = train(script, datasets[0.0], tmp_path, "s", *flags, "--safety-test", "--save-model")
-    proc = run([REPO / script, "--eval-checkpoint", tmp_path / "runs" / "s" / "model.pt", "--eval-episodes", "2"])
+    model = tmp_path / "runs" / "s" / "model.pt"
+    proc = run_in_process([REPO / script, "--eval-checkpoint", model, "--eval-episodes", "2"])
     assert proc.returncode == 0 and "pi was not certified when saved" in proc.stdout, proc.stderr
     assert f"{gated['evaluations'][-1]['return_mean']:.2f}" in proc.stdout
     free = train(script, datasets[0.0], tmp_path, "f", *flags)

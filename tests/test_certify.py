@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from conftest import ALGORITHMS, REPO, run
+from conftest import ALGORITHMS, REPO, run_in_process
 from test_common import train
 
 
@@ -17,17 +17,18 @@ def models(datasets, tmp_path_factory):
     runs = tmp_path_factory.mktemp("runs")
     out = {}
     for name in ALGORITHMS:
-        proc = train(name, datasets[0.15], runs, name[:-3], "--save-model", "--no-tensorboard")
+        proc = train(name, datasets[0.15], runs, name[:-3], "--save-model", "--no-tensorboard", runner=run_in_process)
         assert proc.returncode == 0, proc.stderr
         out[name[:-3]] = runs / name[:-3]
-    proc = train("brpo_c.py", datasets[0.15], runs, "lam0", "--save-model", "--no-tensorboard", "--lam", "0")
+    proc = train("brpo_c.py", datasets[0.15], runs, "lam0", "--save-model", "--no-tensorboard", "--lam", "0",
+                 runner=run_in_process)
     assert proc.returncode == 0, proc.stderr
     out["lam0"] = runs / "lam0"
     return out
 
 
 def certify(model, *extra):
-    return run([REPO / "certify.py", model / "model.pt", *extra])
+    return run_in_process([REPO / "certify.py", model / "model.pt", *extra])
 
 
 @pytest.mark.parametrize("name", [a[:-3] for a in ALGORITHMS])
@@ -68,8 +69,8 @@ def test_greedy_certifies_the_argmax_policy(models):
 def test_bad_input_is_one_line(models, datasets, tmp_path):
     junk = tmp_path / "junk.pt"
     junk.write_bytes(b"not a checkpoint")
-    for proc, needle in ((run([REPO / "certify.py", junk]), "is unreadable"),
-                         (run([REPO / "certify.py", tmp_path / "none.pt"]), "not found"),
+    for proc, needle in ((run_in_process([REPO / "certify.py", junk]), "is unreadable"),
+                         (run_in_process([REPO / "certify.py", tmp_path / "none.pt"]), "not found"),
                          (certify(models["dqn_offline"], "--certificate-confidence", "1.5"), "--certificate-confidence must lie in"),
                          (certify(models["dqn_offline"], "--dataset-path", tmp_path / "none.npz"), "not found"),
                          (certify(models["dqn_offline"], "--dataset-path", datasets[0.0]), "collected with epsilon 0, "

@@ -44,8 +44,8 @@ def main_in_process(module, **overrides):
     module.main(dataclasses.replace(module.Args(), **{**tiny, **overrides}))
 
 
-def train(name, dataset, runs, run_name, *extra):
-    return run([script(name), "--env-id", "CartPole-v1", "--epsilon", "0.15", "--dataset-path", dataset,
+def train(name, dataset, runs, run_name, *extra, runner=run):
+    return runner([script(name), "--env-id", "CartPole-v1", "--epsilon", "0.15", "--dataset-path", dataset,
                 "--runs-dir", runs, "--run-name", run_name, *TINY, *extra])
 
 

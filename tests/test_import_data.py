@@ -9,7 +9,7 @@ import os
 import numpy as np
 import pytest
 
-from conftest import ALGORITHMS, REPO, make_dataset, run
+from conftest import ALGORITHMS, REPO, make_dataset, run, run_in_process
 
 LOG_KEYS = ("observations", "actions", "rewards", "terminals", "timeouts", "next_observations")
 
@@ -39,7 +39,8 @@ def write_csv(path, logs, extra=None):
 
 
 def import_logs(src, out, *extra, env="CartPole-v1"):
-    return run([REPO / "import_data.py", "--logs", src, "--env-id", env, "--dataset-path", out, "--fit-steps", "3000", *extra])
+    return run_in_process([REPO / "import_data.py", "--logs", src, "--env-id", env, "--dataset-path", out,
+                           "--fit-steps", "3000", *extra])
 
 
 def load(path):
@@ -74,7 +75,7 @@ def test_csv_and_parquet_round_trip_to_the_same_arrays(own, tmp_path):
     np.savez(tmp_path / "logs.npz", **{k: v for k, v in logs.items() if k != "next_observations"})
     out = {}
     for src in ("logs.csv", "logs.parquet", "logs.npz"):
-        proc = import_logs(tmp_path / src, tmp_path / f"{src}.out.npz")
+        proc = import_logs(tmp_path / src, tmp_path / f"{src}.out.npz", "--fit-steps", "300")  # the same fit in all
         assert proc.returncode == 0, proc.stderr
         out[src] = load(tmp_path / f"{src}.out.npz")
     for k in (*LOG_KEYS, "behavior_probs", "next_behavior_probs", "behavior_w0", "behavior_temperature"):
@@ -91,7 +92,7 @@ def test_logged_probabilities_are_used_as_logged(own, tmp_path):
     write_csv(tmp_path / "p.csv", logs, {"propensity": beta[rows, logs["actions"]]})
     np.savez(tmp_path / "full.npz", **logs, behavior_probs=beta)
     for src in ("p.csv", "full.npz"):
-        assert import_logs(tmp_path / src, tmp_path / f"{src}.npz").returncode == 0
+        assert import_logs(tmp_path / src, tmp_path / f"{src}.npz", "--fit-steps", "300").returncode == 0  # logged
     full, prop = load(tmp_path / "full.npz.npz"), load(tmp_path / "p.csv.npz")
     assert np.allclose(full["behavior_probs"], beta, atol=1e-7)
     assert np.allclose(prop["behavior_probs"][rows, logs["actions"]], beta[rows, logs["actions"]], atol=1e-7)
@@ -122,17 +123,18 @@ def test_every_algorithm_trains_on_an_imported_minari_dataset(tmp_path):
                                        author_email="tests@example.org", code_permalink="tests/test_import_data.py",
                                        description="test", eval_env=env)
     out = tmp_path / "minari.npz"
-    proc = run([REPO / "import_data.py", "--minari-id", "cartpole/noisy-v0", "--dataset-path", out, "--fit-steps", "2000"])
+    proc = run_in_process([REPO / "import_data.py", "--minari-id", "cartpole/noisy-v0", "--dataset-path", out,
+                           "--fit-steps", "2000"])
     assert proc.returncode == 0, proc.stderr
     d = load(out)
     assert str(d["env_id"]) == "CartPole-v1" and len(d["actions"]) == sum(len(b.actions) for b in buffers)
     for name in ALGORITHMS:
-        proc = run([REPO / name, "--dataset-path", out, "--runs-dir", tmp_path / "runs", "--run-name", name[:-3],
-                    "--total-steps", "200", "--eval-frequency", "100", "--eval-episodes", "2", "--no-tensorboard",
-                    "--save-model"])
+        proc = run_in_process([REPO / name, "--dataset-path", out, "--runs-dir", tmp_path / "runs", "--run-name",
+                               name[:-3], "--total-steps", "200", "--eval-frequency", "100", "--eval-episodes", "2",
+                               "--no-tensorboard", "--save-model"])
         assert proc.returncode == 0, (name, proc.stderr)
         assert json.loads((tmp_path / "runs" / name[:-3] / "result.json").read_text())["final_score"] > 0
-    proc = run([REPO / "certify.py", tmp_path / "runs" / "brpo" / "model.pt"])
+    proc = run_in_process([REPO / "certify.py", tmp_path / "runs" / "brpo" / "model.pt"])
     assert proc.returncode == 0 and "certified" in proc.stdout, proc.stderr
 
 
@@ -190,7 +192,7 @@ def test_bad_invocations(own, tmp_path):
                           "show 0 action(s)"),
                          (["--logs", tmp_path / "text.npz", "--env-id", "CartPole-v1"], "not an .npz archive"),
                          (["--logs", tmp_path / "objects.npz", "--env-id", "CartPole-v1"], "holds object arrays")):
-        proc = run([REPO / "import_data.py", *argv])
+        proc = run_in_process([REPO / "import_data.py", *argv])
         assert proc.returncode == 1 and needle in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
     assert (tmp_path / "exists.npz").read_bytes() == b"x"
 
@@ -209,9 +211,11 @@ def test_csv_header_quirks(tmp_path):
     (tmp_path / "bom.csv").write_text("\n".join(lines) + "\n", encoding="utf-8-sig")
     (tmp_path / "twice.csv").write_text("\n".join([lines[0] + ",action"] + [x + ",1" for x in lines[1:]]) + "\n")
     args = ["--env-id", "CartPole-v1", "--fit-steps", "200"]
-    assert run([REPO / "import_data.py", "--logs", tmp_path / "bom.csv", "--dataset-path", tmp_path / "b.npz", *args]
-               ).returncode == 0
-    proc = run([REPO / "import_data.py", "--logs", tmp_path / "twice.csv", "--dataset-path", tmp_path / "t.npz", *args])
+    proc = run_in_process([REPO / "import_data.py", "--logs", tmp_path / "bom.csv", "--dataset-path", tmp_path / "b.npz",
+                           *args])
+    assert proc.returncode == 0, proc.stderr
+    proc = run_in_process([REPO / "import_data.py", "--logs", tmp_path / "twice.csv", "--dataset-path",
+                           tmp_path / "t.npz", *args])
     assert proc.returncode == 1 and proc.stderr.count("\n") == 1 and "['action'] appear more than once" in proc.stderr
     assert not (tmp_path / "t.npz").exists()
 
@@ -223,9 +227,9 @@ def test_without_a_simulator_the_certificate_is_the_score(own, tmp_path):
     proc = import_logs(tmp_path / "logs.npz", tmp_path / "d.npz", env="MyCartPole-v0")
     assert proc.returncode == 0 and "without a simulator" in proc.stdout, proc.stderr
     for name in ("bc.py", "brpo.py"):
-        proc = run([REPO / name, "--env-id", "MyCartPole-v0", "--dataset-path", tmp_path / "d.npz", "--runs-dir",
-                    tmp_path / "runs", "--run-name", name[:-3], "--total-steps", "200", "--eval-frequency", "100",
-                    "--save-model"])
+        proc = run_in_process([REPO / name, "--env-id", "MyCartPole-v0", "--dataset-path", tmp_path / "d.npz",
+                               "--runs-dir", tmp_path / "runs", "--run-name", name[:-3], "--total-steps", "200",
+                               "--eval-frequency", "100", "--save-model"])
         assert proc.returncode == 0, proc.stderr
         assert "no simulator" in proc.stdout and "improvement certificate" in proc.stdout
         r = json.loads((tmp_path / "runs" / name[:-3] / "result.json").read_text())
@@ -236,8 +240,8 @@ def test_without_a_simulator_the_certificate_is_the_score(own, tmp_path):
     assert "improvement certificate" in proc.stdout + proc.stderr
     # its saved model: certified from the batch, and refused (one line) by --eval-checkpoint, which needs a simulator
     model = tmp_path / "runs" / "brpo" / "model.pt"
-    proc = run([REPO / "certify.py", model, "--json"])
+    proc = run_in_process([REPO / "certify.py", model, "--json"])
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["certificate"] == pytest.approx(r["evaluations"][-1]["certificate"], rel=1e-9, abs=1e-12)
-    proc = run([REPO / "brpo.py", "--eval-checkpoint", model])
+    proc = run_in_process([REPO / "brpo.py", "--eval-checkpoint", model])
     assert proc.returncode == 1 and "no simulator" in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import common
-from conftest import ALGORITHMS, run
+from conftest import ALGORITHMS, run_in_process
 from test_common import REPO, load_script
 
 TINY = dict(total_steps=300, eval_frequency=100, eval_episodes=2, tensorboard=False)
@@ -142,9 +142,9 @@ def test_adam_is_torch_adam_per_member():
 def test_a_diverging_member_fails_alone(datasets, tmp_path):
     """--sweep learning-rate=1e-3,1e30: the second member's weights overflow; it fails in one line and leaves no
     result.json, the first finishes; the exit status says a run failed."""
-    proc = run([REPO / "dqn_offline.py", "--dataset-path", datasets[0.15], "--runs-dir", tmp_path, "--run-name",
-                "lr{learning_rate}", "--sweep", "learning-rate=0.001,1e30", "--total-steps", "300",
-                "--eval-frequency", "100", "--eval-episodes", "2", "--no-tensorboard"])
+    proc = run_in_process([REPO / "dqn_offline.py", "--dataset-path", datasets[0.15], "--runs-dir", tmp_path,
+                           "--run-name", "lr{learning_rate}", "--sweep", "learning-rate=0.001,1e30", "--total-steps",
+                           "300", "--eval-frequency", "100", "--eval-episodes", "2", "--no-tensorboard"])
     assert proc.returncode == 1, proc.stderr
     errors = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(errors) == 1 and "lr1e+30" in errors[0] and "training diverged" in errors[0]
@@ -157,13 +157,14 @@ def test_a_diverging_member_fails_alone(datasets, tmp_path):
 def test_member_names_sweeps_and_skip_finished(datasets, tmp_path):
     base = [REPO / "klq.py", "--dataset-path", datasets[0.15], "--runs-dir", tmp_path, "--total-steps", "200",
             "--eval-frequency", "100", "--eval-episodes", "2", "--no-tensorboard"]
-    proc = run([*base, "--seeds", "1", "2", "--sweep", "kl-weight=0,0.3", "--run-name", "w{kl_weight}/s{seed}"])
+    proc = run_in_process([*base, "--seeds", "1", "2", "--sweep", "kl-weight=0,0.3", "--run-name",
+                           "w{kl_weight}/s{seed}"])
     assert proc.returncode == 0, proc.stderr
     dirs = sorted(str(p.parent.relative_to(tmp_path)) for p in tmp_path.rglob("result.json"))
     assert dirs == ["w0.3/s1", "w0.3/s2", "w0/s1", "w0/s2"]
     assert json.loads((tmp_path / "w0.3" / "s2" / "result.json").read_text())["args"]["kl_weight"] == 0.3
     # two swept flags in one --sweep: every combination
-    proc = run([*base, "--sweep", "kl-weight=0.1", "tau=0.5,1", "--run-name", "two/w{kl_weight}t{tau}"])
+    proc = run_in_process([*base, "--sweep", "kl-weight=0.1", "tau=0.5,1", "--run-name", "two/w{kl_weight}t{tau}"])
     assert proc.returncode == 0, proc.stderr
     assert sorted(p.parent.name for p in (tmp_path / "two").rglob("result.json")) == ["w0.1t0.5", "w0.1t1"]
     assert json.loads((tmp_path / "two" / "w0.1t1" / "result.json").read_text())["args"]["tau"] == 1.0
@@ -178,12 +179,12 @@ def test_member_names_sweeps_and_skip_finished(datasets, tmp_path):
                            (["--seeds", "1", "2", "1"], "--seeds lists 1 more than once"),
                            (["--epsilons", "0.15", "0.150000001"], "--epsilons lists 0.15 more than once"),
                            (["--seeds", "1", "--run-name", "w0/s1"], "holds a finished run")):
-        bad = run([*base, *extra])
+        bad = run_in_process([*base, *extra])
         assert bad.returncode == 1 and bad.stderr.count("\n") == 1 and message in bad.stderr, (extra, bad.stderr)
     # --skip-finished trains only what is missing
     (tmp_path / "w0" / "s1" / "result.json").unlink()
-    proc = run([*base, "--seeds", "1", "2", "--sweep", "kl-weight=0,0.3", "--run-name", "w{kl_weight}/s{seed}",
-                "--skip-finished"])
+    proc = run_in_process([*base, "--seeds", "1", "2", "--sweep", "kl-weight=0,0.3", "--run-name",
+                           "w{kl_weight}/s{seed}", "--skip-finished"])
     assert proc.returncode == 0 and proc.stdout.count("skipped") == 3 and (tmp_path / "w0" / "s1" / "result.json").is_file()
 
 
@@ -291,9 +292,9 @@ def test_sparse_curve_keeps_the_final_score_and_the_grid_accepts_it(datasets, tm
     import sys
     sys.path.insert(0, str(REPO / "benchmark"))
     import run_grid
-    proc = run([REPO / "bc.py", "--dataset-path", datasets[0.15], "--runs-dir", tmp_path, "--run-name", "s",
-                "--total-steps", "3000", "--eval-frequency", "100", "--eval-sparse-frequency", "1000",
-                "--eval-episodes", "2", "--no-tensorboard"])
+    proc = run_in_process([REPO / "bc.py", "--dataset-path", datasets[0.15], "--runs-dir", tmp_path, "--run-name",
+                           "s", "--total-steps", "3000", "--eval-frequency", "100", "--eval-sparse-frequency", "1000",
+                           "--eval-episodes", "2", "--no-tensorboard"])
     assert proc.returncode == 0, proc.stderr
     result = json.loads((tmp_path / "s" / "result.json").read_text())
     steps = [e["step"] for e in result["evaluations"]]
