@@ -486,7 +486,10 @@ def run_directory(args):
                     p.replace(run_dir / REPLACED / p.name)
             remove_run_files(run_dir)
             if args.tensorboard:  # imported here: it costs ~0.5 s, which a --no-tensorboard run does not pay
-                from torch.utils.tensorboard import SummaryWriter
+                try:
+                    from torch.utils.tensorboard import SummaryWriter
+                except ImportError:
+                    fail("--tensorboard needs the tensorboard package: pip install tensorboard, or pass --no-tensorboard")
                 writer = SummaryWriter(str(run_dir))
             if writer:
                 writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(

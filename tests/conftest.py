@@ -9,6 +9,8 @@ import signal
 import subprocess
 import sys
 import threading
+import traceback
+import warnings
 from pathlib import Path
 
 import pytest
@@ -24,24 +26,44 @@ def run(args: list[str], cwd: Path | None = None, timeout: float = 300) -> subpr
     return subprocess.run([sys.executable, *map(str, args)], capture_output=True, text=True, cwd=cwd, timeout=timeout)
 
 
-def run_in_process(args: list[str]) -> subprocess.CompletedProcess:
-    """`run` for a repo script in this process (as __main__, its output captured): for invocations that end before
-    training, where a new interpreter would spend most of the time importing torch. A message exit is exit code 1
-    with the message on stderr, as the interpreter does; the signal handlers and thread hook the script installs
-    are restored."""
+def run_in_process(args: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
+    """`run` in this process: the script runs as __main__ with its output captured, which saves the second or more a
+    new interpreter spends importing torch. As the interpreter would: a message exit is exit code 1 with the message
+    on stderr, an exception is exit code 1 with its traceback, and warnings are printed to stderr under the default
+    filters. The time limit raises TimeoutError; the signal handlers and thread hook the script installs are
+    restored."""
     argv = [str(a) for a in args]
     saved = sys.argv, signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM), threading.excepthook
+
+    def expire(*_):
+        raise TimeoutError(f"{argv[0]} ran longer than {timeout} s")
+
     out, err, code = io.StringIO(), io.StringIO(), 0
+    previous_alarm = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, timeout)
     try:
         sys.argv = argv
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("default")  # the interpreter's default filters:
+            for category in (DeprecationWarning, PendingDeprecationWarning, ImportWarning, ResourceWarning):
+                warnings.simplefilter("ignore", category)
+            warnings.filterwarnings("default", category=DeprecationWarning, module="__main__")
             try:
                 runpy.run_path(argv[0], run_name="__main__")
             except SystemExit as e:
-                if isinstance(e.code, str):
+                code = 0 if e.code is None else e.code if isinstance(e.code, int) else 1
+                if not isinstance(e.code, (int, type(None))):
                     print(e.code, file=sys.stderr)
-                code = 1 if isinstance(e.code, str) else (e.code or 0)
+            except TimeoutError:
+                raise
+            except Exception:
+                code = 1
+                traceback.print_exc()
+            for m in w:
+                err.write(warnings.formatwarning(m.message, m.category, m.filename, m.lineno))
     finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous_alarm)
         sys.argv = saved[0]
         signal.signal(signal.SIGINT, saved[1])
         signal.signal(signal.SIGTERM, saved[2])

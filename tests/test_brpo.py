@@ -758,9 +758,9 @@ def test_kl_fit_loss(brpo):
 # ---------------------------------------------------------------------------------------------
 # End to end (the command line run in this process: test_common runs each script as a new process; tiny budgets)
 # ---------------------------------------------------------------------------------------------
-def train(script, dataset, tmp_path, name, *extra):
-    proc = run_in_process([REPO / script, "--dataset-path", dataset, "--runs-dir", tmp_path / "runs", "--run-name", name,
-                           *TINY, *extra])
+def train(script, dataset, tmp_path, name, *extra, runner=run_in_process):
+    proc = runner([REPO / script, "--dataset-path", dataset, "--runs-dir", tmp_path / "runs", "--run-name", name, *TINY,
+                   *extra])
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads((tmp_path / "runs" / name / "result.json").read_text())
 
@@ -802,7 +802,7 @@ def test_end_to_end_deterministic(script, datasets, tmp_path):
     # strong settings so that pi departs from beta and the sampling path is really exercised
     extra = ["--kappa-max", "0.01", "--seed", "3"] + (["--save-model"] if script == "brpo.py" else [])
     r1 = train(script, datasets[0.15], tmp_path, "a", *extra)
-    r2 = train(script, datasets[0.15], tmp_path, "b", *extra)
+    r2 = train(script, datasets[0.15], tmp_path, "b", *extra, runner=run)  # a new interpreter: another hash seed
     assert r1["evaluations"] == r2["evaluations"]
     assert r1["extra"] == r2["extra"]
     assert [e["step"] for e in r1["evaluations"]] == [100, 200, 300]

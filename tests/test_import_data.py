@@ -38,9 +38,9 @@ def write_csv(path, logs, extra=None):
     return path
 
 
-def import_logs(src, out, *extra, env="CartPole-v1"):
+def import_logs(src, out, *extra, env="CartPole-v1", fit_steps=3000):
     return run_in_process([REPO / "import_data.py", "--logs", src, "--env-id", env, "--dataset-path", out,
-                           "--fit-steps", "3000", *extra])
+                           "--fit-steps", str(fit_steps), *extra])
 
 
 def load(path):
@@ -50,7 +50,7 @@ def load(path):
 
 def test_estimated_beta_is_close_to_the_true_one(own, tmp_path):
     np.savez(tmp_path / "logs.npz", **own["logs"])
-    proc = import_logs(tmp_path / "logs.npz", tmp_path / "d.npz", "--fit-steps", "8000")
+    proc = import_logs(tmp_path / "logs.npz", tmp_path / "d.npz", fit_steps=8000)
     assert proc.returncode == 0, proc.stderr
     d = load(tmp_path / "d.npz")
     assert int(d["format_version"]) == 2 and str(d["behavior_kind"]) == "softmax" and np.isnan(d["epsilon"])
@@ -75,7 +75,7 @@ def test_csv_and_parquet_round_trip_to_the_same_arrays(own, tmp_path):
     np.savez(tmp_path / "logs.npz", **{k: v for k, v in logs.items() if k != "next_observations"})
     out = {}
     for src in ("logs.csv", "logs.parquet", "logs.npz"):
-        proc = import_logs(tmp_path / src, tmp_path / f"{src}.out.npz", "--fit-steps", "300")  # the same fit in all
+        proc = import_logs(tmp_path / src, tmp_path / f"{src}.out.npz", fit_steps=300)  # the same fit in all
         assert proc.returncode == 0, proc.stderr
         out[src] = load(tmp_path / f"{src}.out.npz")
     for k in (*LOG_KEYS, "behavior_probs", "next_behavior_probs", "behavior_w0", "behavior_temperature"):
@@ -92,7 +92,7 @@ def test_logged_probabilities_are_used_as_logged(own, tmp_path):
     write_csv(tmp_path / "p.csv", logs, {"propensity": beta[rows, logs["actions"]]})
     np.savez(tmp_path / "full.npz", **logs, behavior_probs=beta)
     for src in ("p.csv", "full.npz"):
-        assert import_logs(tmp_path / src, tmp_path / f"{src}.npz", "--fit-steps", "300").returncode == 0  # logged
+        assert import_logs(tmp_path / src, tmp_path / f"{src}.npz", fit_steps=300).returncode == 0  # beta as logged
     full, prop = load(tmp_path / "full.npz.npz"), load(tmp_path / "p.csv.npz")
     assert np.allclose(full["behavior_probs"], beta, atol=1e-7)
     assert np.allclose(prop["behavior_probs"][rows, logs["actions"]], beta[rows, logs["actions"]], atol=1e-7)

@@ -401,6 +401,14 @@ def test_interrupted_run_says_so_and_leaves_nothing(name, sig, datasets, tmp_pat
     assert not run_dir.exists()
 
 
+def test_tensorboard_missing_is_one_line(datasets, tmp_path, monkeypatch):
+    """TensorBoard is imported only when a run writes to it: without the package, --tensorboard is one line."""
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # import fails as if it were not installed
+    message = one_line_failure(load_script("bc.py"), tmp_path / "runs", dataset_path=str(datasets[0.15]),
+                               tensorboard=True)
+    assert "--no-tensorboard" in message
+
+
 def test_stdout_closed_by_its_reader(datasets, tmp_path):
     """`script | head`: a run stops like an interrupted one (one line, exit 141 as SIGPIPE would, nothing kept), not
     blaming its run directory; `--help | head` is no failure. No traceback either way."""
