@@ -7,6 +7,7 @@ Variants (each a distribution over actions at every visited state, sampled; same
   pi          the deployed residual policy pi = beta + lambda (rho - beta)          (brpo.py --eval-checkpoint)
   beta        the behaviour policy
   greedy      beta's greedy action (epsilon = 0)
+  q-greedy    the critic's greedy action (argmax Q: the candidate at temperature 0, taken everywhere)
   lam-const   pi with the confidence network's output replaced by a constant (--lam, default 0.7)
   w-zero      pi with W = 0 in the candidate: rho moves only by the pessimism term
   no-pess     pi with the pessimism term removed from the candidate (--pessimism 0 at deployment only)
@@ -30,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import brpo  # noqa: E402
 import common  # noqa: E402
 
-VARIANTS = ("pi", "beta", "greedy", "lam-const", "w-zero", "no-pess", "uniform")
+VARIANTS = ("pi", "beta", "greedy", "q-greedy", "lam-const", "w-zero", "no-pess", "uniform")
 
 
 @dataclass
@@ -89,6 +90,9 @@ def main(args: Args) -> None:
             return beta
         if variant == "greedy":
             return one_hot
+        if variant == "q-greedy":
+            with torch.no_grad():
+                return torch.nn.functional.one_hot(q_network(obs[None])[0].argmax(1), beta.shape[1]).double()
         if variant == "lam-const":
             return residual(obs, beta, lam_tilde=args.lam)
         if variant == "w-zero":

@@ -772,7 +772,7 @@ def test_brpo_variants_tool(datasets, tmp_path):
     proc = run_in_process([REPO / "benchmark" / "brpo_variants.py", model, "--episodes", "3"])
     assert proc.returncode == 0, proc.stderr
     scores = dict(re.findall(r"^(\S+)\s+(-?[\d.]+)\s+\(s\.e\.", proc.stdout, re.M))
-    assert set(scores) == {"pi", "beta", "greedy", "lam-const", "w-zero", "no-pess", "uniform"}
+    assert set(scores) == {"pi", "beta", "greedy", "q-greedy", "lam-const", "w-zero", "no-pess", "uniform"}
     assert all(np.isfinite(float(v)) for v in scores.values())
     again = run_in_process([REPO / "benchmark" / "brpo_variants.py", model, "--episodes", "3"])
     assert again.stdout == proc.stdout  # same start states and sampling seeds: the same numbers
