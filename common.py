@@ -489,7 +489,8 @@ def run_directory(args):
                 try:
                     from torch.utils.tensorboard import SummaryWriter
                 except ImportError:
-                    fail("--tensorboard needs the tensorboard package: pip install tensorboard, or pass --no-tensorboard")
+                    fail("--tensorboard needs the tensorboard package: pip install tensorboard, or pass "
+                         "--no-tensorboard")
                 writer = SummaryWriter(str(run_dir))
             if writer:
                 writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(

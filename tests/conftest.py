@@ -43,7 +43,8 @@ def run_in_process(args: list[str], timeout: float = 300) -> subprocess.Complete
     signal.setitimer(signal.ITIMER_REAL, timeout)
     try:
         sys.argv = argv
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), warnings.catch_warnings(record=True) as w:
+        with (contextlib.redirect_stdout(out), contextlib.redirect_stderr(err),
+              warnings.catch_warnings(record=True) as w):
             warnings.simplefilter("default")  # the interpreter's default filters:
             for category in (DeprecationWarning, PendingDeprecationWarning, ImportWarning, ResourceWarning):
                 warnings.simplefilter("ignore", category)

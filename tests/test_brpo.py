@@ -777,7 +777,7 @@ def test_brpo_variants_tool(datasets, tmp_path):
     again = run_in_process([REPO / "benchmark" / "brpo_variants.py", model, "--episodes", "3"])
     assert again.stdout == proc.stdout  # same start states and sampling seeds: the same numbers
     cert = run_in_process([REPO / "benchmark" / "brpo_variants.py", model, "--episodes", "1", "--certificate",
-                "--variants", "pi", "beta", "pess=0.5"])
+                           "--variants", "pi", "beta", "pess=0.5"])
     assert cert.returncode == 0, cert.stderr
     rows = re.findall(r"^  (\S+)\s+-?[\d.]+ \+- [\d.]+\s+lcb\s+(-?[\d.]+)\s+tv\s+([\d.]+)", cert.stdout, re.M)
     lcb, tv = {v: float(l) for v, l, _ in rows}, {v: float(t) for v, _, t in rows}
@@ -1143,7 +1143,8 @@ def test_conservative_critic_members(script, datasets, tmp_path):
     """--cql-alpha (departure 13) as a member flag: each member of --sweep cql_alpha=0,1 is its single run, and the
     conservative member's trained critic differs from the paper's critic's (the term is not dropped)."""
     proc = run_in_process([REPO / script, "--dataset-path", datasets[0.15], "--runs-dir", tmp_path / "runs",
-                           "--run-name", "c{cql_alpha}", *TINY, "--seed", "2", "--sweep", "cql_alpha=0,1", "--save-model"])
+                           "--run-name", "c{cql_alpha}", *TINY, "--seed", "2", "--sweep", "cql_alpha=0,1",
+                           "--save-model"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     weights = {}
     for alpha in ("0", "1"):

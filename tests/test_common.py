@@ -46,7 +46,7 @@ def main_in_process(module, **overrides):
 
 def train(name, dataset, runs, run_name, *extra, runner=run):
     return runner([script(name), "--env-id", "CartPole-v1", "--epsilon", "0.15", "--dataset-path", dataset,
-                "--runs-dir", runs, "--run-name", run_name, *TINY, *extra])
+                   "--runs-dir", runs, "--run-name", run_name, *TINY, *extra])
 
 
 @pytest.mark.parametrize("name", ALGORITHMS)

@@ -211,8 +211,8 @@ def test_csv_header_quirks(tmp_path):
     (tmp_path / "bom.csv").write_text("\n".join(lines) + "\n", encoding="utf-8-sig")
     (tmp_path / "twice.csv").write_text("\n".join([lines[0] + ",action"] + [x + ",1" for x in lines[1:]]) + "\n")
     args = ["--env-id", "CartPole-v1", "--fit-steps", "200"]
-    proc = run_in_process([REPO / "import_data.py", "--logs", tmp_path / "bom.csv", "--dataset-path", tmp_path / "b.npz",
-                           *args])
+    proc = run_in_process([REPO / "import_data.py", "--logs", tmp_path / "bom.csv", "--dataset-path",
+                           tmp_path / "b.npz", *args])
     assert proc.returncode == 0, proc.stderr
     proc = run_in_process([REPO / "import_data.py", "--logs", tmp_path / "twice.csv", "--dataset-path",
                            tmp_path / "t.npz", *args])
