@@ -43,7 +43,6 @@ if __name__ == "__main__":  # an interrupt while the libraries below load has no
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 import common
 from common import fail, load_checkpoint, load_weights
@@ -59,6 +58,8 @@ class Args(common.TDArgs):
     """name of this experiment (part of the run name)"""
     bcq_threshold: float = 0.3
     """allowed actions: G(a|s) / max_a G(a|s) >= threshold (0 allows every action, 1 only the most likely)"""
+    huber_delta: float = 1.0
+    """TD loss: Huber's with this threshold, as the authors' code (0: the squared error)"""
 
 
 class QNetwork(nn.Module):
@@ -183,6 +184,7 @@ def train(runs: common.Members) -> None:
     gamma, log_tau = runs.column("gamma"), runs.column("bcq_threshold").log()[..., None]  # log 0 = -inf: all allowed
     pair = lambda x: x.repeat_interleave(2, 0)  # noqa: E731  (a member's value for both of its towers)
     tau, period = pair(runs.column("tau")), pair(runs.column("target_update_frequency", torch.long))
+    td_loss_of = common.td_loss(runs.column("huber_delta"))  # Huber's (delta 1: F.smooth_l1_loss) or the squared error
 
     build = lambda: [QNetwork(runs.obs_dim, runs.n_actions).net, QNetwork(runs.obs_dim, runs.n_actions).net]  # noqa
     network = common.Stack([net for nets in zip(*runs.build(build)) for net in nets])  # Q_1, G_1, Q_2, G_2, ...
@@ -200,7 +202,7 @@ def train(runs: common.Members) -> None:
                                                  rows[..., NOT_DONE], gamma, log_tau)
         q_all, logits = towers(network, rows[..., S])
         q = q_all.gather(-1, batch_actions).squeeze(-1)
-        td_loss = F.smooth_l1_loss(q, td_target, reduction="none").mean(1)  # [M]: per member
+        td_loss = td_loss_of(q, td_target)  # [M]: per member
         imitation_loss = -torch.log_softmax(logits, -1).gather(-1, batch_actions).mean((1, 2))
         logit_penalty = logits.pow(2).mean((1, 2))
         loss = td_loss + imitation_loss + 0.01 * logit_penalty

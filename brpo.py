@@ -671,7 +671,7 @@ def train(runs: common.Members) -> None:
                                                 1).view(-1, 1))
     k_penalty = (penalty_weight(B, p.gamma, p.mu, p.penalty_one_minus_mu) * p.penalty_scale)[:, 0]  # dep. 8, 9
     tau, period = runs.column("tau"), runs.column("target_update_frequency", torch.long)
-    cql_alpha = runs.column("cql_alpha")  # [M, 1]
+    cql_alpha, td_loss_of = runs.column("cql_alpha"), common.td_loss(runs.column("huber_delta"))  # departure 14
     cql_on = bool(cql_alpha.any())  # once: the paper's critic (every alpha 0) skips the term
     act, actor_state = make_actor(runs.behavior(), q_network, confidence, p, first.eval_greedy)
     certificates, unit = [{} for _ in range(M)], None
@@ -692,7 +692,7 @@ def train(runs: common.Members) -> None:
                 runs.drop(m, f"training diverged: the critic's values are NaN or inf after {step - 1} updates; try a "
                              "lower --learning-rate")
         q_taken = q_all.gather(-1, batch(actions).unsqueeze(-1)).squeeze(-1)
-        td_loss = (q_taken - td_target).square().mean(1)  # [M]: each member's mean squared TD error
+        td_loss = td_loss_of(q_taken, td_target)  # [M]: each member's mean TD loss
         # departure 13: a conservative critic, CQL(H)'s alpha E_s[logsumexp_a Q(s, a) - Q(s, a_data)] (Kumar et al. eq. 4)
         critic_loss = td_loss + (cql_alpha * (torch.logsumexp(q_all, -1) - q_taken)).mean(1) if cql_on else td_loss
         q_max = q64.amax(-1)

@@ -107,6 +107,9 @@ class TDArgs(RunArgs):
     """soft target update rate: target <- tau * online + (1 - tau) * target"""
     target_update_frequency: int = 500
     """updates between soft target updates"""
+    huber_delta: float = 0.0
+    """TD loss: 0 = the squared error (the paper's Algorithm 1); > 0 = Huber's loss, quadratic within +-delta and
+    linear beyond (Nature DQN's, discrete BCQ's, d3rlpy's), so no transition's gradient exceeds delta"""
 
 
 @dataclass
@@ -179,6 +182,8 @@ def check_args(args, allow_inf: tuple = ()) -> None:
         fail(f"--gamma must lie in [0, 1), got {args.gamma}")
     if hasattr(args, "tau") and not 0.0 < args.tau <= 1.0:
         fail(f"--tau must lie in (0, 1], got {args.tau}")
+    if hasattr(args, "huber_delta") and not args.huber_delta >= 0.0:
+        fail(f"--huber-delta must be >= 0 (0: the squared TD error), got {args.huber_delta}")
     if isinstance(args, DeployArgs):
         require(args.deploy_pessimism is None or (args.deploy_pessimism and all(
             0.0 <= p <= 1e3 for p in args.deploy_pessimism) and len(set(args.deploy_pessimism)) == len(
@@ -717,7 +722,7 @@ def quiet_stdout() -> None:
 # VectorizedLinear), so one batched matmul runs a layer for all members. A member is the same algorithm as a single
 # run: its own initial weights (built after torch.manual_seed(seed), like nn.Linear) and its own minibatch stream;
 # no computation mixes members. A single run is the process with one member.
-SHARED_MEMBER_FLAGS = ("learning_rate", "gamma", "tau", "target_update_frequency")
+SHARED_MEMBER_FLAGS = ("learning_rate", "gamma", "tau", "target_update_frequency", "huber_delta")
 
 
 class Stack:
@@ -813,6 +818,21 @@ def soft_update(step: int, target: Stack, online: Stack, period: torch.Tensor, t
     if any(step % k == 0 for k in set(period.flatten().tolist())):  # tested in Python: no tensor op on most updates
         with torch.no_grad():
             target.flat.lerp_(online.flat, tau * (step % period == 0))
+
+
+def td_loss(delta: torch.Tensor):
+    """The TD loss of members whose --huber-delta is delta [M, 1]: (q, target) [M, B] -> [M], each member's mean over
+    its minibatch of the squared error (delta 0) or of Huber's loss (0.5 e^2 within +-delta, delta (|e| - delta / 2)
+    beyond: at delta 1 exactly F.smooth_l1_loss's numbers)."""
+    if not bool((delta > 0).any()):  # decided once: every member's loss is the paper's squared error
+        return lambda q, target: (q - target).square().mean(1)
+
+    def loss(q: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        e = q - target
+        a = e.abs()
+        huber = torch.where(a < delta, 0.5 * e.square(), delta * (a - 0.5 * delta))
+        return torch.where(delta > 0, huber, e.square()).mean(1)
+    return loss
 
 
 def row_sum(x, keepdims: bool = False):

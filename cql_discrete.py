@@ -12,7 +12,7 @@ Departs from the CQL paper in:
 1. The critic and its settings are the BRPO paper's shared ones (appendix "Hyperparameters"): FC(32)-FC(16), Adam
    lr 1e-3, batch 64, gamma 0.99, soft target update tau = 0.5 every 500 updates; the paper's discrete
    experiments build CQL on QR-DQN with its Atari network and settings.
-2. The TD loss is the squared error of dqn_offline.py (no Huber, no quantile loss) without the 1/2 of eq. 4, so
+2. The TD loss is the squared error of dqn_offline.py (`--huber-delta` > 0: Huber's; no quantile loss) without the 1/2 of eq. 4, so
    the same objective has twice eq. 4's alpha here (Adam ignores the loss's scale but for its eps): alpha = 1
    here is eq. 4's alpha = 0.5.
 3. alpha is fixed: the paper's Lagrangian variant, which tunes alpha to a threshold on the gap, is not here.
@@ -111,6 +111,7 @@ def train(runs: common.Members) -> None:
     # Time-limit truncations (timeouts) are not terminal: we bootstrap through them.
     not_done = 1.0 - runs.tensor("terminals").float()
     gamma, tau, period = runs.column("gamma"), runs.column("tau"), runs.column("target_update_frequency", torch.long)
+    td_loss_of = common.td_loss(runs.column("huber_delta"))  # squared error (the paper) or Huber's, per member
     cql_alpha = runs.column("cql_alpha")  # [M, 1]
 
     q_network = common.Stack(*runs.build(lambda: [QNetwork(runs.obs_dim, runs.n_actions).net]))
@@ -125,7 +126,7 @@ def train(runs: common.Members) -> None:
             td_target = batch(rewards) + gamma * target_max * batch(not_done)
         q_all = q_network(batch(obs))
         q = q_all.gather(-1, batch(actions).unsqueeze(-1)).squeeze(-1)
-        td_loss = (q - td_target).square().mean(1)  # [M]: each member's own mean squared TD error, as dqn_offline.py
+        td_loss = td_loss_of(q, td_target)  # [M]: each member's own mean TD loss, as dqn_offline.py
         gap = cql_gap(q_all, batch(actions))  # [M, batch]
         # CQL(H), eq. 4 of Kumar et al.: alpha * E_s[logsumexp_a Q(s, a) - E_{a~beta}[Q(s, a)]] (the batch's action
         # is the sample of a ~ beta), added to the TD loss; its gradient is alpha * (softmax(Q(s, .)) - onehot(a)).

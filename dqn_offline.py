@@ -3,8 +3,8 @@
 The paper runs online algorithms offline by sampling only from the batch (Sec. "Experimental
 Results", footnote). The critic and its settings are the paper's shared ones (appendix,
 "Hyperparameters"): FC(32)-FC(16), Adam lr 1e-3, batch 64, gamma 0.99, soft target update
-tau = 0.5 applied every 500 updates. The TD loss is the squared error of the paper's Algorithm 1,
-so this critic is exactly BRPO's critic with mu = 1.
+tau = 0.5 applied every 500 updates. The TD loss is the squared error of the paper's Algorithm 1 (`--huber-delta`
+> 0: Huber's loss, as Nature DQN), so this critic is exactly BRPO's critic with mu = 1.
 
     python dqn_offline.py --env-id Acrobot-v1 --epsilon 0.15
 """
@@ -88,6 +88,7 @@ def train(runs: common.Members) -> None:
     # Time-limit truncations (timeouts) are not terminal: we bootstrap through them.
     not_done = 1.0 - runs.tensor("terminals").float()
     gamma, tau, period = runs.column("gamma"), runs.column("tau"), runs.column("target_update_frequency", torch.long)
+    td_loss_of = common.td_loss(runs.column("huber_delta"))  # squared error (the paper) or Huber's, per member
 
     q_network = common.Stack(*runs.build(lambda: [QNetwork(runs.obs_dim, runs.n_actions).net]))
     target_network = q_network.copy()
@@ -100,7 +101,7 @@ def train(runs: common.Members) -> None:
             target_max = target_network(batch(next_obs)).max(-1).values
             td_target = batch(rewards) + gamma * target_max * batch(not_done)
         q = q_network(batch(obs)).gather(-1, batch(actions).unsqueeze(-1)).squeeze(-1)
-        loss = (q - td_target).square().mean(1)  # [M]: each member's own mean squared TD error
+        loss = td_loss_of(q, td_target)  # [M]: each member's own mean TD loss
         loss.sum().backward()
         optimizer.step()
         common.soft_update(step, target_network, q_network, period, tau)

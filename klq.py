@@ -21,9 +21,10 @@ log beta is log(max(beta, 1e-8)), so the exact zeros of beta at epsilon = 0 give
 penalty, never inf or NaN (in "integral" they are multiplied by beta = 0 and vanish).
 Evaluation: greedy with respect to Q (the KL reward is already folded into Q; no sampling).
 Departs from the source in: the TD loss is the squared error of this repository's DQN (the source
-defaults to smooth L1 with gradient value clipping at 1), and the shared settings are the BRPO paper's
-(appendix "Hyperparameters"): FC(32)-FC(16), Adam lr 1e-3, batch 64, gamma 0.99, soft target update
-tau = 0.5 every 500 updates. No Monte-Carlo dropout targets or model averaging (not used by BRPO).
+defaults to smooth L1 with gradient value clipping at 1; `--huber-delta 1` is smooth L1, unclipped),
+and the shared settings are the BRPO paper's (appendix "Hyperparameters"): FC(32)-FC(16), Adam lr 1e-3,
+batch 64, gamma 0.99, soft target update tau = 0.5 every 500 updates. No Monte-Carlo dropout targets or
+model averaging (not used by BRPO).
 
     python klq.py --env-id CartPole-v1 --epsilon 0.15
 """
@@ -152,6 +153,7 @@ def train(runs: common.Members) -> None:
     # Time-limit truncations (timeouts) are not terminal: we bootstrap through them.
     not_done = 1.0 - runs.tensor("terminals").float()
     gamma, tau, period = runs.column("gamma"), runs.column("tau"), runs.column("target_update_frequency", torch.long)
+    td_loss_of = common.td_loss(runs.column("huber_delta"))  # squared error (the paper) or Huber's, per member
     kl_weight, kl_calc = runs.column("kl_weight"), runs.first.kl_calc
 
     q_network = common.Stack(*runs.build(lambda: [QNetwork(runs.obs_dim, runs.n_actions).net]))
@@ -168,7 +170,7 @@ def train(runs: common.Members) -> None:
             td_target = klq_target(batch(rewards), batch(not_done), target_network(batch(next_obs)), q_all.detach(),
                                    batch_actions, batch_beta, gamma, kl_weight, kl_calc)
         q = q_all.gather(-1, batch_actions.unsqueeze(-1)).squeeze(-1)
-        loss = (q - td_target).square().mean(1)  # [M]: each member's own mean squared TD error
+        loss = td_loss_of(q, td_target)  # [M]: each member's own mean TD loss
         loss.sum().backward()
         optimizer.step()
         common.soft_update(step, target_network, q_network, period, tau)

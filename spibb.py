@@ -31,9 +31,9 @@ exactly, SPIBB *is* the behaviour policy, e.g. CartPole eps <= 0.25, Acrobot and
 eps <= 0.5) or none is (pi_spibb = greedy in Q, SPIBB *is* offline DQN, e.g. every task at eps = 1,
 CartPole at eps = 0.5).
 Departs also in: (2) the TD loss is the squared error of this repository's DQN (SPIBB-DQN: Huber,
-summed) and the optimiser/settings are the BRPO paper's shared ones (appendix "Hyperparameters"):
-FC(32)-FC(16), Adam lr 1e-3, batch 64, gamma 0.99, soft target update tau = 0.5 every 500 updates
-(SPIBB-DQN: RMSprop, hard copies).
+summed; `--huber-delta 1`: Huber, averaged) and the optimiser/settings are the BRPO paper's shared
+ones (appendix "Hyperparameters"): FC(32)-FC(16), Adam lr 1e-3, batch 64, gamma 0.99, soft target update
+tau = 0.5 every 500 updates (SPIBB-DQN: RMSprop, hard copies).
 
     python spibb.py --env-id CartPole-v1 --epsilon 0.15
 """
@@ -184,6 +184,7 @@ def train(runs: common.Members) -> None:
     # Time-limit truncations (timeouts) are not terminal: we bootstrap through them.
     not_done = 1.0 - runs.tensor("terminals").float()
     gamma, tau, period = runs.column("gamma"), runs.column("tau"), runs.column("target_update_frequency", torch.long)
+    td_loss_of = common.td_loss(runs.column("huber_delta"))  # squared error (the paper) or Huber's, per member
     threshold = runs.column("spibb_threshold")[..., None]  # [M, 1, 1]
 
     q_network = common.Stack(*runs.build(lambda: [QNetwork(runs.obs_dim, runs.n_actions).net]))
@@ -197,7 +198,7 @@ def train(runs: common.Members) -> None:
             td_target = spibb_target(batch(rewards), batch(not_done), target_network(batch(next_obs)), batch(next_beta),
                                      threshold, gamma)
         q = q_network(batch(obs)).gather(-1, batch(actions).unsqueeze(-1)).squeeze(-1)
-        loss = (q - td_target).square().mean(1)  # [M]: each member's own mean squared TD error
+        loss = td_loss_of(q, td_target)  # [M]: each member's own mean TD loss
         loss.sum().backward()
         optimizer.step()
         common.soft_update(step, target_network, q_network, period, tau)

@@ -843,7 +843,7 @@ def test_brpo_c_differs_only_in_confidence():
     for needle in ("next_v = mixed_value(next_q, batch(next_beta), mu32", "td_target = torch.addcmul(batch(rewards), next_v",
                    "common.soft_update(step, target_network, q_network, period, tau)", "runs.log(step, {\"charts/deployed_pi\": deploy_pi",
                    "level, certificates[m] = common.choose_level(", "unit = batch_unit if step == 1",
-                   "td_loss = (q_taken - td_target).square().mean(1)", "critic_loss = td_loss + (cql_alpha"):
+                   "td_loss = td_loss_of(q_taken, td_target)", "critic_loss = td_loss + (cql_alpha"):
         line = next(line for line in brpo_src if needle in line)
         assert line in c_src
 

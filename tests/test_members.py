@@ -139,6 +139,27 @@ def test_adam_is_torch_adam_per_member():
             assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
+def test_td_loss_is_the_squared_error_or_hubers_per_member():
+    """common.td_loss: delta 0 is the paper's squared error to the bit, delta > 0 Huber's loss (torch's, and at delta 1
+    discrete BCQ's smooth L1 to the bit, values and gradients), each member with its own delta; no transition's
+    gradient exceeds delta / batch."""
+    torch.manual_seed(0)
+    q, target = (torch.randn(3, 64) * 50.0).requires_grad_(), torch.randn(3, 64) * 50.0
+    delta = torch.tensor([[0.0], [1.0], [0.3]])
+    loss = common.td_loss(delta)(q, target)
+    loss.sum().backward()
+    e = (q - target).detach()
+    assert torch.equal(loss[0], e[0].square().mean())
+    assert torch.equal(loss[1], torch.nn.functional.smooth_l1_loss(q[1], target[1]))
+    assert torch.allclose(loss[2], torch.nn.functional.huber_loss(q[2], target[2], delta=0.3), rtol=1e-6)
+    ref = q.detach()[1].clone().requires_grad_()
+    torch.nn.functional.smooth_l1_loss(ref, target[1]).backward()
+    assert torch.equal(q.grad[1], ref.grad)
+    assert torch.equal(q.grad[0], 2.0 * e[0] / 64) and (q.grad[1:].abs() <= delta[1:] / 64 + 1e-9).all()
+    assert (e[1:].abs() > 1.0).float().mean() > 0.9  # the linear part is what is tested
+    assert torch.equal(common.td_loss(torch.zeros(3, 1))(q, target), (q - target).square().mean(1))
+
+
 def test_a_diverging_member_fails_alone(datasets, tmp_path):
     """--sweep learning-rate=1e-3,1e30: the second member's weights overflow; it fails in one line and leaves no
     result.json, the first finishes; the exit status says a run failed."""

@@ -145,6 +145,14 @@ def test_bad_arguments_are_refused_up_front(name, datasets, tmp_path):
     assert not (tmp_path.parent / "escaped").exists() and not Path("/tmp/abs").exists()
 
 
+@pytest.mark.parametrize("name", [n for n in ALGORITHMS if n != "bc.py"])
+def test_a_negative_huber_delta_is_refused(name, datasets, tmp_path):
+    with pytest.raises(SystemExit) as exc:
+        main_in_process(load_script(name), huber_delta=-1.0, runs_dir=str(tmp_path), dataset_path=str(datasets[0.15]))
+    assert str(exc.value.code).endswith("--huber-delta must be >= 0 (0: the squared TD error), got -1.0")
+    assert not any(tmp_path.iterdir())
+
+
 @pytest.mark.parametrize("name", ALGORITHMS)
 def test_diverged_training_fails_without_a_result(name, datasets, tmp_path):
     module = load_script(name)
