@@ -12,9 +12,9 @@ Departs from the CQL paper in:
 1. The critic and its settings are the BRPO paper's shared ones (appendix "Hyperparameters"): FC(32)-FC(16), Adam
    lr 1e-3, batch 64, gamma 0.99, soft target update tau = 0.5 every 500 updates; the paper's discrete
    experiments build CQL on QR-DQN with its Atari network and settings.
-2. The TD loss is the squared error of dqn_offline.py (`--huber-delta` > 0: Huber's; no quantile loss) without the 1/2 of eq. 4, so
-   the same objective has twice eq. 4's alpha here (Adam ignores the loss's scale but for its eps): alpha = 1
-   here is eq. 4's alpha = 0.5.
+2. The TD loss is the squared error of dqn_offline.py (no quantile loss) without the 1/2 of eq. 4, so the same
+   objective has twice eq. 4's alpha here (Adam ignores the loss's scale but for its eps): alpha = 1 here is eq. 4's
+   alpha = 0.5. `--huber-delta` > 0 replaces it with Huber's loss, whose quadratic part has the 1/2.
 3. alpha is fixed: the paper's Lagrangian variant, which tunes alpha to a threshold on the gap, is not here.
    The backup is DQN's max over the target network (the greedy policy as pi_k in eq. 4's Bellman operator).
 
