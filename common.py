@@ -455,6 +455,11 @@ def restore_replaced(run_dir: Path) -> None:
         replaced.rmdir()
 
 
+def close_quietly(writer) -> None:
+    with contextlib.suppress(Exception):
+        writer.close()
+
+
 @contextlib.contextmanager
 def run_directory(args):
     """<runs-dir>/<run-name>/ and its TensorBoard writer, locked for this run: a second process on the same run name
@@ -502,8 +507,10 @@ def run_directory(args):
                     f"|{k}|{v}|" for k, v in vars(args).items()))
             yield run_dir, writer
         except BaseException as e:
-            with contextlib.suppress(Exception):  # the writer's thread must not write on after the clean-up
-                writer and writer.close()
+            if writer:  # its thread must not write on after the clean-up; bounded, as an interrupt may have struck
+                closing = threading.Thread(target=close_quietly, args=(writer,), daemon=True)  # while it held a lock
+                closing.start()
+                closing.join(10)
             with contextlib.suppress(OSError):
                 remove_run_files(run_dir)
                 restore_replaced(run_dir)
@@ -682,14 +689,24 @@ def dataset_sizes(path: str) -> tuple[int, int]:
         fail(f"dataset {path} is unreadable or incomplete ({npz_error(path, e)})")
 
 
+INTERRUPTED = threading.Event()  # set by cli's SIGINT / SIGTERM handler; Members checks it at every update
+
+
+def interrupt(signum, frame):
+    # KeyboardInterrupt strikes wherever the main thread is, and where that is a finalizer or a library's
+    # `except BaseException` it is swallowed: the flag stops the run at its next update all the same
+    INTERRUPTED.set()
+    raise KeyboardInterrupt
+
+
 def cli(args_type, main) -> None:
     """`python script.py --flags`: Ctrl-C or SIGTERM removes what the run wrote and ends in one line, exit 130; so
     does standard output closed by its reader (`| head`) once the run has started, exit 141 (as SIGPIPE would)."""
     # TensorBoard writes from a thread; its OSError (a full disk) surfaces again at the next write or flush, where
     # run_directory turns it into one line, so the thread's own traceback is not printed
     threading.excepthook = lambda a: None if issubclass(a.exc_type, OSError) else threading.__excepthook__(a)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    signal.signal(signal.SIGINT, interrupt)
+    signal.signal(signal.SIGTERM, interrupt)
     args = None
     try:
         # --sweep is a list: a second --sweep would silently replace the first (tyro keeps the last)
@@ -698,8 +715,12 @@ def cli(args_type, main) -> None:
         args = tyro.cli(args_type)
         main(args)
     except KeyboardInterrupt:
-        print(f"{Path(sys.argv[0]).name}: interrupted; nothing written", file=sys.stderr)
-        raise SystemExit(130)
+        print(f"{Path(sys.argv[0]).name}: interrupted; nothing written", file=sys.stderr, flush=True)
+        with contextlib.suppress(OSError):
+            sys.stdout.flush()
+        # what the run wrote is removed: leave now, so that no library's thread, lock or exit handler (left
+        # half-done where the interrupt struck) can hold the process at the interpreter's shutdown
+        os._exit(130)
     except BrokenPipeError:
         quiet_stdout()
         if args is None:  # `--help | head`: the reader has what it wanted
@@ -1322,6 +1343,8 @@ class Members:
     def minibatch(self, step: int) -> "Minibatch":
         """The minibatch of update `step` (from 1), rows [M, batch]: member m's are torch.randint(n_m, (batch,)) from
         its generator, the single run's stream (drawn 1,000 updates at a time: the same numbers), plus its offset."""
+        if INTERRUPTED.is_set():  # an interrupt that was swallowed where it struck (interrupt)
+            raise KeyboardInterrupt
         k = (step - 1) % 1000
         if step == 1:  # the training clock starts at the first update (set-up is neither training nor evaluation)
             self.block_start = time.perf_counter()

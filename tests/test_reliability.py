@@ -397,16 +397,48 @@ def test_interrupted_run_says_so_and_leaves_nothing(name, sig, datasets, tmp_pat
     proc = subprocess.Popen([sys.executable, REPO / name, "--dataset-path", datasets[0.15], "--runs-dir",
                              tmp_path / "runs", "--run-name", "r", "--total-steps", "1000000"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+                            env={**os.environ, "PYTHONFAULTHANDLER": "1"})
     deadline = time.time() + 60
     while not list(run_dir.glob("events.out.tfevents.*")) and time.time() < deadline:
         time.sleep(0.1)
     time.sleep(1.0)
     proc.send_signal(sig)
-    _, err = proc.communicate(timeout=60)
+    try:
+        _, err = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:  # where it hangs: every thread's stack, printed by the fault handler on SIGABRT
+        proc.send_signal(signal.SIGABRT)
+        pytest.fail(f"{name} still running 60 s after the signal:\n{proc.communicate()[1]}")
     assert proc.returncode == 130
     assert err.strip().splitlines() == [f"{name}: interrupted; nothing written"], err
     assert not run_dir.exists()
+
+
+def test_interrupt_swallowed_where_it_struck_still_stops_the_run(datasets, tmp_path):
+    """An interrupt that strikes in a finalizer or in a library's `except BaseException` is lost there; the run
+    stops at its next update all the same: one line, exit 130, nothing written."""
+    code = f"""
+import runpy, signal, sys
+sys.path.insert(0, {str(REPO)!r})
+import common
+step = common.Adam.step
+def swallowing_step(self, *a, **k):  # the first update is interrupted inside code that swallows it
+    common.Adam.step = step
+    try:
+        signal.raise_signal(signal.SIGINT)
+    except BaseException:
+        pass
+    return step(self, *a, **k)
+common.Adam.step = swallowing_step
+sys.argv = [{str(REPO / "bc.py")!r}, "--dataset-path", {str(datasets[0.15])!r}, "--runs-dir", {str(tmp_path / "runs")!r},
+            "--run-name", "r", "--total-steps", "300", "--eval-frequency", "100", "--eval-episodes", "2"]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    assert proc.returncode == 130 and proc.stderr.strip().splitlines() == ["bc.py: interrupted; nothing written"], \
+        proc.stderr
+    assert not (tmp_path / "runs").exists()
 
 
 def test_tensorboard_missing_is_one_line(datasets, tmp_path, monkeypatch):
