@@ -507,10 +507,10 @@ def run_directory(args):
                     f"|{k}|{v}|" for k, v in vars(args).items()))
             yield run_dir, writer
         except BaseException as e:
-            if writer:  # its thread must not write on after the clean-up; bounded, as an interrupt may have struck
-                closing = threading.Thread(target=close_quietly, args=(writer,), daemon=True)  # while it held a lock
-                closing.start()
-                closing.join(10)
+            if writer:  # its thread must not write on after the clean-up; bounded, as an interrupt before training
+                closing = threading.Thread(target=close_quietly, args=(writer,), daemon=True)  # may have struck
+                closing.start()  # while the writer's queue held its lock (interrupt); run_grid waits 10 s
+                closing.join(5)
             with contextlib.suppress(OSError):
                 remove_run_files(run_dir)
                 restore_replaced(run_dir)
@@ -689,14 +689,24 @@ def dataset_sizes(path: str) -> tuple[int, int]:
         fail(f"dataset {path} is unreadable or incomplete ({npz_error(path, e)})")
 
 
-INTERRUPTED = threading.Event()  # set by cli's SIGINT / SIGTERM handler; Members checks it at every update
+INTERRUPTED = threading.Event()  # a SIGINT or SIGTERM arrived (cli's handler)
+DEFERRED = threading.Event()  # set while the members train: the run stops at its next update or evaluation step
 
 
 def interrupt(signum, frame):
-    # KeyboardInterrupt strikes wherever the main thread is, and where that is a finalizer or a library's
-    # `except BaseException` it is swallowed: the flag stops the run at its next update all the same
+    # KeyboardInterrupt strikes wherever the main thread is: inside TensorBoard's Queue.put it can leave the queue's
+    # lock held (threading.Condition.__enter__ is Python code), and the writer's close() then waits forever; inside a
+    # library's `except BaseException` it is lost. While training, the run stops at a point of ours instead
+    # (stop_if_interrupted); a second signal does not wait.
+    deferred = DEFERRED.is_set() and not INTERRUPTED.is_set()
     INTERRUPTED.set()
-    raise KeyboardInterrupt
+    if not deferred:
+        raise KeyboardInterrupt
+
+
+def stop_if_interrupted() -> None:
+    if INTERRUPTED.is_set():
+        raise KeyboardInterrupt
 
 
 def cli(args_type, main) -> None:
@@ -705,6 +715,7 @@ def cli(args_type, main) -> None:
     # TensorBoard writes from a thread; its OSError (a full disk) surfaces again at the next write or flush, where
     # run_directory turns it into one line, so the thread's own traceback is not printed
     threading.excepthook = lambda a: None if issubclass(a.exc_type, OSError) else threading.__excepthook__(a)
+    INTERRUPTED.clear()
     signal.signal(signal.SIGINT, interrupt)
     signal.signal(signal.SIGTERM, interrupt)
     args = None
@@ -715,12 +726,8 @@ def cli(args_type, main) -> None:
         args = tyro.cli(args_type)
         main(args)
     except KeyboardInterrupt:
-        print(f"{Path(sys.argv[0]).name}: interrupted; nothing written", file=sys.stderr, flush=True)
-        with contextlib.suppress(OSError):
-            sys.stdout.flush()
-        # what the run wrote is removed: leave now, so that no library's thread, lock or exit handler (left
-        # half-done where the interrupt struck) can hold the process at the interpreter's shutdown
-        os._exit(130)
+        print(f"{Path(sys.argv[0]).name}: interrupted; nothing written", file=sys.stderr)
+        raise SystemExit(130)
     except BrokenPipeError:
         quiet_stdout()
         if args is None:  # `--help | head`: the reader has what it wanted
@@ -1155,6 +1162,7 @@ class Simulators:
             obs = obs.astype(np.float32)
         returns, active, t = np.zeros(n), np.ones(n, dtype=bool), 0
         while active.any():
+            stop_if_interrupted()
             t += 1
             u = torch.rand(self.episodes, generator=generator)
             with torch.no_grad():
@@ -1343,8 +1351,7 @@ class Members:
     def minibatch(self, step: int) -> "Minibatch":
         """The minibatch of update `step` (from 1), rows [M, batch]: member m's are torch.randint(n_m, (batch,)) from
         its generator, the single run's stream (drawn 1,000 updates at a time: the same numbers), plus its offset."""
-        if INTERRUPTED.is_set():  # an interrupt that was swallowed where it struck (interrupt)
-            raise KeyboardInterrupt
+        stop_if_interrupted()  # a signal while training stops the run here (interrupt)
         k = (step - 1) % 1000
         if step == 1:  # the training clock starts at the first update (set-up is neither training nor evaluation)
             self.block_start = time.perf_counter()
@@ -1512,7 +1519,12 @@ def main(args, check, train, run_checkpoint, behavior_network: bool = False, mem
     with contextlib.ExitStack() as stack:  # everything is validated: only now create outputs
         dirs = [stack.enter_context(run_directory(a)) for a in runs]
         members = Members(runs, datasets, dirs, obs_dim, n_actions)
-        train(members)
+        DEFERRED.set()
+        try:
+            train(members)
+        finally:
+            DEFERRED.clear()
+        stop_if_interrupted()  # it arrived after the last update: what the run wrote is removed all the same
     if not all(members.alive):
         raise SystemExit(1)
 

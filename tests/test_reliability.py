@@ -414,26 +414,42 @@ def test_interrupted_run_says_so_and_leaves_nothing(name, sig, datasets, tmp_pat
     assert not run_dir.exists()
 
 
-def test_interrupt_swallowed_where_it_struck_still_stops_the_run(datasets, tmp_path):
-    """An interrupt that strikes in a finalizer or in a library's `except BaseException` is lost there; the run
-    stops at its next update all the same: one line, exit 130, nothing written."""
-    code = f"""
-import runpy, signal, sys
-sys.path.insert(0, {str(REPO)!r})
-import common
+INTERRUPTED_INSIDE = {  # code run at the first update, with a SIGINT arriving in the middle of it
+    # a library that swallows the KeyboardInterrupt (a finalizer, an `except BaseException`)
+    "a library that swallows it": """
 step = common.Adam.step
-def swallowing_step(self, *a, **k):  # the first update is interrupted inside code that swallows it
+def patched(self, *a, **k):
     common.Adam.step = step
     try:
         signal.raise_signal(signal.SIGINT)
     except BaseException:
         pass
     return step(self, *a, **k)
-common.Adam.step = swallowing_step
-sys.argv = [{str(REPO / "bc.py")!r}, "--dataset-path", {str(datasets[0.15])!r}, "--runs-dir", {str(tmp_path / "runs")!r},
+common.Adam.step = patched
+""",
+    # TensorBoard's queue holding its lock, which a KeyboardInterrupt there can leave held (Condition.__enter__)
+    "TensorBoard's queue": """
+from torch.utils.tensorboard import SummaryWriter
+add_scalar = SummaryWriter.add_scalar
+def patched(self, *a, **k):
+    SummaryWriter.add_scalar = add_scalar
+    mutex = self.file_writer.event_writer._async_writer._byte_queue.mutex
+    mutex.acquire()
+    signal.raise_signal(signal.SIGINT)
+    mutex.release()
+    return add_scalar(self, *a, **k)
+SummaryWriter.add_scalar = patched
+"""}
+
+
+@pytest.mark.parametrize("inside", INTERRUPTED_INSIDE)
+def test_interrupt_while_training_stops_at_the_next_update(inside, datasets, tmp_path):
+    """A signal while the members train stops the run at its next update (or evaluation step), not wherever it
+    struck: one line, exit 130, nothing written (before, the first case trained on and the second hung)."""
+    argv = [str(REPO / "bc.py"), "--dataset-path", str(datasets[0.15]), "--runs-dir", str(tmp_path / "runs"),
             "--run-name", "r", "--total-steps", "300", "--eval-frequency", "100", "--eval-episodes", "2"]
-runpy.run_path(sys.argv[0], run_name="__main__")
-"""
+    code = (f"import runpy, signal, sys\nsys.path.insert(0, {str(REPO)!r})\nimport common\n"
+            f"{INTERRUPTED_INSIDE[inside]}\nsys.argv = {argv!r}\nrunpy.run_path(sys.argv[0], run_name='__main__')")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                           preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     assert proc.returncode == 130 and proc.stderr.strip().splitlines() == ["bc.py: interrupted; nothing written"], \
