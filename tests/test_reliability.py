@@ -414,7 +414,7 @@ def test_interrupted_run_says_so_and_leaves_nothing(name, sig, datasets, tmp_pat
     assert not run_dir.exists()
 
 
-INTERRUPTED_INSIDE = {  # code run at the first update, with a SIGINT arriving in the middle of it
+INTERRUPTED_INSIDE = {  # patched code that, the first time training calls it, has a SIGINT arrive inside
     # a library that swallows the KeyboardInterrupt (a finalizer, an `except BaseException`)
     "a library that swallows it": """
 step = common.Adam.step
