@@ -623,23 +623,20 @@ def deploy(runs, step, obs, q_network, confidence, p, unit, groups):
             continue
         rows = obs[runs.rows(members[0])][cert["rows"]]
         rows, beta = rows.expand(len(members), *rows.shape), np.broadcast_to(cert["beta"], (len(members), *cert["beta"].shape))
-        sub, q_sub, confidence_sub = common.columns([runs.args[m] for m in members], *FLAGS), q_network.select(
-            members), confidence.select(members)
-        blocks = lambda f: common.in_blocks(f, len(cert["rows"]), 16384 // len(members))  # noqa: E731  (~16k states)
-        q_batch, pis = blocks(lambda b: common.q_function(q_sub)(rows[:, b])), {}
-        lam_batch = blocks(lambda b: np.asarray(confidence_sub(rows[:, b]), dtype=np.float64))  # for every level
+        q_sub, confidence_sub = q_network.select(members), confidence.select(members)
+        blocks = lambda f, k: common.in_blocks(f, len(cert["rows"]), 16384 // k)  # noqa: E731  (~16k states)
+        q_batch = blocks(lambda b: common.q_function(q_sub)(rows[:, b]), len(members))
+        lam_batch = blocks(lambda b: np.asarray(confidence_sub(rows[:, b]), dtype=np.float64), len(members))
         q_cv = common.control_variate(q_batch, cert)  # the members' fits at once
 
-        def pi_of(level: int, i: int) -> np.ndarray:  # every member's pi at a level, built when first asked for
-            if level not in pis:
-                pis[level] = blocks(lambda b: policy_probs(rows[:, b], beta[:, b], q_sub, confidence_sub, sub,
-                    np.full_like(sub.pessimism, levels[level]), step, unit[members], q_batch[:, b], cert["log_beta"][b],
-                    cert["sqrt_beta"][b], lam_batch[:, b]))
-            return pis[level][i]
+        def pi_of(level: int, idx: list) -> np.ndarray:  # the members idx's pi at a level (q, raw confidence given)
+            sub = common.columns([runs.args[members[i]] for i in idx], *FLAGS)
+            return blocks(lambda b: policy_probs(rows[:len(idx), b], beta[idx, b], None, None, sub, np.full_like(
+                sub.pessimism, levels[level]), step, unit[members][idx], q_batch[idx, b], cert["log_beta"][b],
+                cert["sqrt_beta"][b], lam_batch[idx, b]), len(idx))
 
-        for i, m in enumerate(members):
-            level, certificates[m] = common.choose_level(lambda lv: pi_of(lv, i), len(levels), q_cv[i], cert, z)
-            pessimism[m] = levels[level]
+        for m, (level, certificate) in zip(members, common.choose_levels(pi_of, len(levels), q_cv, cert, z)):
+            pessimism[m], certificates[m] = levels[level], certificate
             deploy_pi[m] = not runs.args[m].safety_test or certificates[m].get("certified", 0.0) == 1.0
     return pessimism, deploy_pi, certificates
 

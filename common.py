@@ -1690,21 +1690,29 @@ def report_certificate(c: dict, n_episodes: int, args: DeployArgs, deploy_pi: bo
               "deployed: " + (f"pi, pessimism {pessimism:g}" if deploy_pi else "beta (the safety test)"))
 
 
-def choose_level(pi_of, n_levels: int, q_cv: np.ndarray, cert: dict, z: float) -> tuple[int, dict]:
-    """BRPO's deployed level (departure 11 in docs/brpo.md), from pi rebuilt with each --deploy-pessimism level
-    (pi_of(i), asked for only as needed): pi as trained (the first) while the batch certifies it, else the certified
-    level with the highest lower bound, else the level nearest beta (what remains of Theorem 2's penalty when no gain
-    is shown). q_cv: control_variate(q, cert) of the critic q. Returns the level and its certificate."""
-    pis = [pi_of(0)]
-    options = [improvement_certificate(pis[0], None, cert, z, q_cv)]
-    if options[0]["certified"]:
-        return 0, {**options[0], "tv_to_beta": tv_to_beta(pis[0], cert["beta"])}
-    pis += [pi_of(i) for i in range(1, n_levels)]
-    options += [improvement_certificate(pi, None, cert, z, q_cv) for pi in pis[1:]]
-    distance = [tv_to_beta(pi, cert["beta"]) for pi in pis]
-    certified = [i for i, o in enumerate(options) if o["certified"]]
-    if certified:
-        level = max(certified, key=lambda i: options[i]["certificate_lcb"])
-    else:
-        level = min(range(len(options)), key=lambda i: distance[i])
-    return level, {**options[level], "tv_to_beta": distance[level]}
+def choose_levels(pi_of, n_levels: int, q_cv: np.ndarray, cert: dict, z: float) -> list[tuple[int, dict]]:
+    """BRPO's deployed level (departure 11 in docs/brpo.md) for each of K members, from pi rebuilt with each
+    --deploy-pessimism level: pi as trained (the first) while the batch certifies it, else the certified level with
+    the highest lower bound, else the level nearest beta (what remains of Theorem 2's penalty when no gain is shown).
+    pi_of(level, idx) -> the members idx's pi at that level [len(idx), N, |A|]: the later levels are built only for the
+    members whose first is not certified. q_cv [K, N, |A|]: control_variate(q, cert) of their critics. Returns each
+    member's level and its certificate."""
+    first = pi_of(0, list(range(len(q_cv))))
+    options = [[improvement_certificate(pi, None, cert, z, cv)] for pi, cv in zip(first, q_cv)]
+    rest = [i for i, o in enumerate(options) if not o[0]["certified"]]
+    later = [pi_of(level, rest) for level in range(1, n_levels)] if rest else []
+    chosen = []
+    for i, cv in enumerate(q_cv):
+        if options[i][0]["certified"]:
+            chosen.append((0, {**options[i][0], "tv_to_beta": tv_to_beta(first[i], cert["beta"])}))
+            continue
+        pis = [first[i]] + [pi[rest.index(i)] for pi in later]
+        options[i] += [improvement_certificate(pi, None, cert, z, cv) for pi in pis[1:]]
+        distance = [tv_to_beta(pi, cert["beta"]) for pi in pis]
+        certified = [k for k, o in enumerate(options[i]) if o["certified"]]
+        if certified:
+            level = max(certified, key=lambda k: options[i][k]["certificate_lcb"])
+        else:
+            level = min(range(len(pis)), key=lambda k: distance[k])
+        chosen.append((level, {**options[i][level], "tv_to_beta": distance[level]}))
+    return chosen

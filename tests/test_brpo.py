@@ -842,7 +842,7 @@ def test_brpo_c_differs_only_in_confidence():
     # inside train, the critic update, the target update and the evaluation are verbatim the same lines
     for needle in ("next_v = mixed_value(next_q, batch(next_beta), mu32", "td_target = torch.addcmul(batch(rewards), next_v",
                    "common.soft_update(step, target_network, q_network, period, tau)", "runs.log(step, {\"charts/deployed_pi\": deploy_pi",
-                   "level, certificates[m] = common.choose_level(", "unit = batch_unit if step == 1",
+                   "common.choose_levels(pi_of, len(levels), q_cv, cert, z)", "unit = batch_unit if step == 1",
                    "td_loss = td_loss_of(q_taken, td_target)", "critic_loss = td_loss + (cql_alpha"):
         line = next(line for line in brpo_src if needle in line)
         assert line in c_src
@@ -1022,6 +1022,34 @@ def test_no_certificate_where_beta_never_acts():
     assert off["certificate_lcb"] > 0 and off["off_support_mass"] == 1.0 and off["certified"] == 0.0
     same = common.improvement_certificate(beta[cert["rows"]], q, cert, z)
     assert same["off_support_mass"] == 0.0 and same["certified"] == 0.0
+
+
+def test_choose_levels_builds_later_levels_only_where_needed():
+    """The deployed-level rule for several members at once: a member whose first level is certified keeps it (and its
+    later levels are never built), else the certified level with the highest lower bound, else the level nearest
+    beta; each member's choice is the one it gets alone."""
+    rng = np.random.default_rng(5)
+    data, beta = logged_batch(rng, episodes=400, length=5, epsilon=0.5, reward_of_action=[1.0, 0.0], noise=0.1)
+    cert, reason = common.certificate_data(data, beta, 0.9, behavior_of(common, data))
+    b, z = cert["beta"], 1.959963984540054
+    good, bad = np.tile([1.0, 0.0], (len(b), 1)), np.tile([0.0, 1.0], (len(b), 1))
+    near = 0.9 * b + 0.1 * bad  # worse than beta, but nearer to it than bad
+    levels = [[good, bad], [bad, good], [bad, near]]  # [member][level]: pi
+    q_cv = common.control_variate(np.zeros((3, len(b), 2)), cert)
+    asked = {}
+
+    def pi_of(level, idx):
+        asked[level] = list(idx)
+        return np.stack([levels[i][level] for i in idx])
+
+    chosen = common.choose_levels(pi_of, 2, q_cv, cert, z)
+    assert reason is None and asked == {0: [0, 1, 2], 1: [1, 2]}
+    assert [level for level, _ in chosen] == [0, 1, 1]
+    assert [c["certified"] for _, c in chosen] == [1.0, 1.0, 0.0]
+    for i, (level, c) in enumerate(chosen):
+        alone = common.choose_levels(lambda lv, idx: np.stack([levels[i][lv]]), 2, q_cv[i:i + 1], cert, z)
+        assert alone == [(level, c)]
+        assert c["tv_to_beta"] == common.tv_to_beta(levels[i][level], b)
 
 
 def test_no_certificate_from_rounding_noise():
