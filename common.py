@@ -1701,18 +1701,14 @@ def choose_levels(pi_of, n_levels: int, q_cv: np.ndarray, cert: dict, z: float) 
     options = [[improvement_certificate(pi, None, cert, z, cv)] for pi, cv in zip(first, q_cv)]
     rest = [i for i, o in enumerate(options) if not o[0]["certified"]]
     later = [pi_of(level, rest) for level in range(1, n_levels)] if rest else []
+    row = {i: j for j, i in enumerate(rest)}  # a member's row in later
     chosen = []
-    for i, cv in enumerate(q_cv):
-        if options[i][0]["certified"]:
-            chosen.append((0, {**options[i][0], "tv_to_beta": tv_to_beta(first[i], cert["beta"])}))
-            continue
-        pis = [first[i]] + [pi[rest.index(i)] for pi in later]
+    for i, cv in enumerate(q_cv):  # a certified first level is the only option: its member keeps it
+        pis = [first[i]] + ([pi[row[i]] for pi in later] if i in row else [])
         options[i] += [improvement_certificate(pi, None, cert, z, cv) for pi in pis[1:]]
         distance = [tv_to_beta(pi, cert["beta"]) for pi in pis]
         certified = [k for k, o in enumerate(options[i]) if o["certified"]]
-        if certified:
-            level = max(certified, key=lambda k: options[i][k]["certificate_lcb"])
-        else:
-            level = min(range(len(pis)), key=lambda k: distance[k])
+        level = (max(certified, key=lambda k: options[i][k]["certificate_lcb"]) if certified else
+                 min(range(len(pis)), key=lambda k: distance[k]))
         chosen.append((level, {**options[i][level], "tv_to_beta": distance[level]}))
     return chosen
