@@ -1692,11 +1692,11 @@ def report_certificate(c: dict, n_episodes: int, args: DeployArgs, deploy_pi: bo
 
 def choose_levels(pi_of, n_levels: int, q_cv: np.ndarray, cert: dict, z: float) -> list[tuple[int, dict]]:
     """BRPO's deployed level (departure 11 in docs/brpo.md) for each of K members, from pi rebuilt with each
-    --deploy-pessimism level: pi as trained (the first) while the batch certifies it, else the certified level with
-    the highest lower bound, else the level nearest beta (what remains of Theorem 2's penalty when no gain is shown).
-    pi_of(level, idx) -> the members idx's pi at that level [len(idx), N, |A|]: the later levels are built only for the
-    members whose first is not certified. q_cv [K, N, |A|]: control_variate(q, cert) of their critics. Returns each
-    member's level and its certificate."""
+    --deploy-pessimism level: pi as trained (the first) while the batch certifies it, else the certified level no
+    farther from beta with the highest lower bound, else the level nearest beta (what remains of Theorem 2's penalty
+    when no gain is shown). pi_of(level, idx) -> the members idx's pi at that level [len(idx), N, |A|]: the later
+    levels are built only for the members whose first is not certified. q_cv [K, N, |A|]: control_variate(q, cert) of
+    their critics. Returns each member's level and its certificate."""
     first = pi_of(0, list(range(len(q_cv))))
     options = [[improvement_certificate(pi, None, cert, z, cv)] for pi, cv in zip(first, q_cv)]
     rest = [i for i, o in enumerate(options) if not o[0]["certified"]]
@@ -1707,7 +1707,8 @@ def choose_levels(pi_of, n_levels: int, q_cv: np.ndarray, cert: dict, z: float) 
         pis = [first[i]] + ([pi[row[i]] for pi in later] if i in row else [])
         options[i] += [improvement_certificate(pi, None, cert, z, cv) for pi in pis[1:]]
         distance = [tv_to_beta(pi, cert["beta"]) for pi in pis]
-        certified = [k for k, o in enumerate(options[i]) if o["certified"]]
+        # a first-order certificate says little about a level farther from beta than pi as trained (log 2026-11-28)
+        certified = [k for k, o in enumerate(options[i]) if o["certified"] and distance[k] <= distance[0]]
         level = (max(certified, key=lambda k: options[i][k]["certificate_lcb"]) if certified else
                  min(range(len(pis)), key=lambda k: distance[k]))
         chosen.append((level, {**options[i][level], "tv_to_beta": distance[level]}))

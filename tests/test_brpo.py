@@ -851,7 +851,7 @@ def test_brpo_c_differs_only_in_confidence():
 @pytest.mark.parametrize("script", ["brpo.py", "brpo_c.py"])
 def test_deployed_pessimism_rule(script, datasets, tmp_path):
     """--deploy-pessimism 1 0: at every evaluation level 1 is deployed while its simultaneous lower bound (z of 0.975
-    for two levels) is positive, else a certified level 0, and where neither is certified the level nearer beta
+    for two levels) is positive, else level 0 if certified and no farther from beta, else the level nearer beta
     (total variation on the batch); what is deployed is exactly the single-level run's pi at that level (training
     does not depend on the levels). The saved model deploys the last chosen level."""
     flags = ["--kappa-max", "0.01", "--seed", "4"]  # seed 4: both the certified and the nearest-to-beta branch occur
@@ -866,8 +866,8 @@ def test_deployed_pessimism_rule(script, datasets, tmp_path):
         chosen = single[e["pessimism"]]
         tv = {p: s["tv_to_beta"] for p, s in single.items()}
         assert 0.0 < tv[1.0] != tv[0.0] < 1.0
-        expect = 1.0 if lcb[1.0] > 0 else 0.0 if lcb[0.0] > 0 else min(tv, key=tv.get)
-        branches.add("certified" if max(lcb.values()) > 0 else "nearest")
+        expect = 1.0 if lcb[1.0] > 0 else 0.0 if lcb[0.0] > 0 and tv[0.0] <= tv[1.0] else min(tv, key=tv.get)
+        branches.add("certified" if lcb[expect] > 0 else "nearest")
         assert e["pessimism"] == expect
         assert e["tv_to_beta"] == pytest.approx(tv[expect], rel=1e-12)
         assert e["certificate_lcb"] == pytest.approx(lcb[e["pessimism"]], rel=1e-12, abs=1e-12)
@@ -1026,16 +1026,16 @@ def test_no_certificate_where_beta_never_acts():
 
 def test_choose_levels_builds_later_levels_only_where_needed():
     """The deployed-level rule for several members at once: a member whose first level is certified keeps it (and its
-    later levels are never built), else the certified level with the highest lower bound, else the level nearest
-    beta; each member's choice is the one it gets alone."""
+    later levels are never built), else the certified level with the highest lower bound among those no farther from
+    beta than the first, else the level nearest beta; each member's choice is the one it gets alone."""
     rng = np.random.default_rng(5)
     data, beta = logged_batch(rng, episodes=400, length=5, epsilon=0.5, reward_of_action=[1.0, 0.0], noise=0.1)
     cert, reason = common.certificate_data(data, beta, 0.9, behavior_of(common, data))
     b, z = cert["beta"], 1.959963984540054
     good, bad = np.tile([1.0, 0.0], (len(b), 1)), np.tile([0.0, 1.0], (len(b), 1))
     near = 0.9 * b + 0.1 * bad  # worse than beta, but nearer to it than bad
-    levels = [[good, bad], [bad, good], [bad, near]]  # [member][level]: pi
-    q_cv = common.control_variate(np.zeros((3, len(b), 2)), cert)
+    levels = [[good, bad], [bad, good], [bad, near], [near, good]]  # [member][level]: pi
+    q_cv = common.control_variate(np.zeros((4, len(b), 2)), cert)
     asked = {}
 
     def pi_of(level, idx):
@@ -1043,9 +1043,10 @@ def test_choose_levels_builds_later_levels_only_where_needed():
         return np.stack([levels[i][level] for i in idx])
 
     chosen = common.choose_levels(pi_of, 2, q_cv, cert, z)
-    assert reason is None and asked == {0: [0, 1, 2], 1: [1, 2]}
-    assert [level for level, _ in chosen] == [0, 1, 1]
-    assert [c["certified"] for _, c in chosen] == [1.0, 1.0, 0.0]
+    assert reason is None and asked == {0: [0, 1, 2, 3], 1: [1, 2, 3]}
+    assert [level for level, _ in chosen] == [0, 1, 1, 0]  # the last: good is certified but farther than near
+    assert [c["certified"] for _, c in chosen] == [1.0, 1.0, 0.0, 0.0]
+    assert common.improvement_certificate(good, None, cert, z, q_cv[3])["certified"] == 1.0
     for i, (level, c) in enumerate(chosen):
         alone = common.choose_levels(lambda lv, idx: np.stack([levels[i][lv]]), 2, q_cv[i:i + 1], cert, z)
         assert alone == [(level, c)]
