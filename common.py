@@ -1707,7 +1707,7 @@ def choose_levels(pi_of, n_levels: int, q_cv: np.ndarray, cert: dict, z: float) 
         pis = [first[i]] + ([pi[row[i]] for pi in later] if i in row else [])
         options[i] += [improvement_certificate(pi, None, cert, z, cv) for pi in pis[1:]]
         distance = [tv_to_beta(pi, cert["beta"]) for pi in pis]
-        # a first-order certificate says little about a level farther from beta than pi as trained (log 2026-11-28)
+        # a first-order certificate says little about a level farther from beta than pi as trained (log 2026-11-29)
         certified = [k for k, o in enumerate(options[i]) if o["certified"] and distance[k] <= distance[0]]
         level = (max(certified, key=lambda k: options[i][k]["certificate_lcb"]) if certified else
                  min(range(len(pis)), key=lambda k: distance[k]))
