@@ -158,6 +158,15 @@ def behavior_probs(weights: dict, obs: np.ndarray, epsilon: float) -> np.ndarray
     return probs
 
 
+def numpy_simd() -> list:
+    """The CPU extensions numpy dispatches to: gymnasium's Acrobot rounds an observation differently on a machine
+    with others (docs/benchmark.md, "Reproducibility"), so the dataset records them."""
+    try:
+        return list(np.show_config(mode="dicts")["SIMD Extensions"]["found"])
+    except (TypeError, KeyError):  # numpy < 1.26 has no mode="dicts"
+        return []
+
+
 def run_episodes(env_id: str, weights: dict, epsilon: float, n: int, seed: int, noise_seed: Optional[int] = None) -> np.ndarray:
     """Returns of n epsilon-greedy episodes, run side by side (one batched forward per step); episode i starts
     from reset(seed=seed + i), the exploration noise comes from noise_seed (default: seed)."""
@@ -304,7 +313,7 @@ def collect(args: Args, env_id: str, epsilon: float, weights: dict, behavior_pat
     returns = np.concatenate([run_episodes(env_id, weights, epsilon, args.behavior_eval_episodes, args.eval_seed,
                                            noise_seed=args.eval_seed + 7919 * p) for p in range(args.behavior_eval_passes)])
     settings = dict(asdict(args), epsilon=epsilon, env_id=env_id, behavior_path=str(behavior_path),
-                    gymnasium_version=gym.__version__, numpy_version=np.__version__,
+                    gymnasium_version=gym.__version__, numpy_version=np.__version__, numpy_simd=numpy_simd(),
                     dataset_episodes=len(episode_returns),
                     dataset_episode_return_mean=float(np.mean(episode_returns)) if episode_returns else None)
     settings.pop("dataset_path"), settings.pop("overwrite")

@@ -8,11 +8,13 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import functools
+import hashlib
 import io
 import itertools
 import json
 import math
 import os
+import platform
 import re
 import resource
 import shutil
@@ -1298,6 +1300,7 @@ class Members:
         self.first = runs[0]
         self.paths = [p.resolve() for p, _ in (datasets[a.epsilon] for a in runs)]
         self.data = [d for _, d in (datasets[a.epsilon] for a in runs)]
+        self.sha256 = {p: file_sha256(p) for p in set(self.paths)}  # as loaded, once per file
         self.dirs, self.writers = [d for d, _ in dirs], [w for _, w in dirs]
         self.records, self.alive = [[] for _ in runs], [True] * len(runs)
         self.keys = list(datasets)  # the distinct datasets, concatenated once
@@ -1464,7 +1467,8 @@ class Members:
                 "train_time": self.train_time, "eval_time": self.eval_time, "members": self.M,
                 "peak_memory_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,  # of the process
                 "updates_per_second": args.total_steps / self.train_time, "dataset_path": str(self.paths[m]),
-                "format_version": RESULT_FORMAT_VERSION, "extra": extra(m),
+                "dataset_sha256": self.sha256[self.paths[m]],
+                "format_version": RESULT_FORMAT_VERSION, "platform": platform_info(), "extra": extra(m),
             }
             if self.writers[m]:
                 self.writers[m].add_scalar("eval/final_score", final_score, args.total_steps)
@@ -1480,6 +1484,33 @@ class Members:
             else:
                 print(f"final score: improvement certificate {final_score:.4g} over beta (no simulator: the batch's "
                       f"first-order estimate of the gain, mean of the last 10 evaluations); results in {self.dirs[m]}")
+
+
+def file_sha256(path) -> Optional[str]:
+    """The dataset file's fingerprint in result.json (None if it can no longer be read): collecting the same dataset
+    on a machine with other vector extensions can round an observation differently (docs/benchmark.md,
+    "Reproducibility")."""
+    digest = hashlib.sha256()
+    try:
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
+    except OSError:
+        return None
+    return digest.hexdigest()
+
+
+def platform_info() -> dict:
+    """The library versions and the CPU features their kernels dispatch on, recorded in result.json: the same code
+    and dataset can round differently on a machine with other vector extensions (docs/benchmark.md,
+    "Reproducibility")."""
+    try:
+        simd = np.show_config(mode="dicts")["SIMD Extensions"]["found"]
+    except (TypeError, KeyError):  # numpy < 1.26 has no mode="dicts"
+        simd = []
+    return {"python": platform.python_version(), "torch": torch.__version__, "numpy": np.__version__,
+            "gymnasium": gym.__version__, "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "numpy_simd": list(simd)}
 
 
 def finished(result: Path) -> bool:

@@ -89,6 +89,7 @@ class Run:
     hparams: dict = field(default_factory=dict)
     extra: dict = field(default_factory=dict)  # the script's own end-of-run diagnostics (numbers only)
     eval_se: float | None = None  # standard error of the final score's episodes (see load_runs)
+    dataset_sha256: str | None = None  # of the dataset file the run loaded (result files before it lack it)
 
 
 def resolve_algo(data: dict, path: Path) -> str | None:
@@ -165,7 +166,8 @@ def load_runs(root: Path) -> tuple[list[Run], list[tuple[Path, str]]]:
                         returns=[float(e["return_mean"]) for e in data["evaluations"]], args=args,
                         extra={k: v for k, v in (data.get("extra") or {}).items()
                                if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)},
-                        eval_se=eval_se))
+                        eval_se=eval_se, dataset_sha256=data.get("dataset_sha256") if isinstance(
+                            data.get("dataset_sha256"), str) else None))
     for run in runs:
         run.hparams = {k: v for k, v in run.args.items() if k not in PER_RUN_KEYS}
         if re.fullmatch(r"seed\d+", run.path.parent.name):  # run_grid.py layout: seeds are siblings
@@ -390,9 +392,12 @@ def build_report(roots: list[Path], runs: list[Run], skipped, expected_seeds: in
     n_expected = expected_seeds or max((c.n for cell in cells.values() for c in cell.configs), default=0)
 
     behavior: dict[tuple[str, float], list[float]] = defaultdict(list)
+    files: dict[tuple[str, float], set] = defaultdict(set)  # the dataset files' fingerprints, where recorded
     for run in runs:
         if run.behavior_return is not None:
             behavior[(run.env_id, round(run.epsilon, 6))].append(run.behavior_return)
+        if run.dataset_sha256:
+            files[(run.env_id, round(run.epsilon, 6))].add(run.dataset_sha256)
 
     lines: list[str] = []
     summary = {a: {"rows": 0, "ranked": 0, "top2": 0, "ge_behavior": 0, "paper_top2": 0, "paper_ge_behavior": 0}
@@ -442,6 +447,9 @@ def build_report(roots: list[Path], runs: list[Run], skipped, expected_seeds: in
             if max(beh_values) - min(beh_values) > 1e-6 * max(1.0, abs(beh)):
                 beh_text += " (varies)"
                 warnings.append(f"behavior_return differs between result files of {env} eps={eps:g}")
+        if len(files.get((env, eps), ())) > 1:  # e.g. collected again on a machine that rounds differently
+            warnings.append(f"the runs of {env} eps={eps:g} were trained on {len(files[(env, eps)])} different dataset "
+                            "files (dataset_sha256)")
         if paper_beh is not None:
             beh_text += f" (paper {fmt_num(paper_beh)})"
         lines.append(f"| {env}-{eps:.2f} | " + " | ".join(cells_text) + f" | {beh_text} |")

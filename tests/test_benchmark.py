@@ -650,6 +650,23 @@ def summary_rows(text):
             for line in section.splitlines() if line.startswith("| ") and "Algorithm" not in line}
 
 
+def test_aggregate_warns_when_a_rows_runs_loaded_different_dataset_files(tmp_path):
+    """result.json's dataset_sha256: runs of one row trained on different files (a dataset collected again, e.g. on a
+    machine that rounds differently) are named in the report; result files without it (older runs) are not."""
+    res = tmp_path / "res"
+    for algo, sha in (("dqn", "a" * 64), ("brpo", "a" * 64), ("bc", None)):
+        run = write_result(res, "Acrobot-v1", 0.15, algo, 1, 1.0) / "result.json"
+        data = json.loads(run.read_text())
+        run.write_text(json.dumps({**data, "dataset_sha256": sha} if sha else data))
+    assert aggregate.main([str(res), "--no-plots"]) == 0
+    assert "different dataset files" not in (res / "report" / "table1.md").read_text()
+    run = res / "Acrobot-v1" / "eps0.15" / "bc" / "seed1" / "result.json"
+    run.write_text(json.dumps({**json.loads(run.read_text()), "dataset_sha256": "b" * 64}))
+    assert aggregate.main([str(res), "--no-plots"]) == 0
+    assert "the runs of Acrobot-v1 eps=0.15 were trained on 2 different dataset files" in (
+        res / "report" / "table1.md").read_text()
+
+
 def test_aggregate_table_stats_top2_missing(tmp_path, capsys):
     res = tmp_path / "res"
     scores = {"dqn": [10, 20, 30], "brpo_c": [40, 50, 60], "brpo": [100, 110, 120], "bcq": [0, 0, 0],

@@ -46,6 +46,7 @@ def test_schema(datasets):
     assert str(d["behavior_kind"]) == "epsilon_greedy"
     settings = json.loads(str(d["settings_json"]))
     assert settings["num_transitions"] == n and settings["seed"] == 0
+    assert settings["numpy_version"] == np.__version__ and isinstance(settings["numpy_simd"], list)
     assert np.isfinite(d["behavior_return"])
 
 

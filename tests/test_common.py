@@ -4,6 +4,7 @@ determinism, checkpoints that evaluate on their own, and one-line failures on ba
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import importlib.util
 import json
 import re
@@ -16,7 +17,8 @@ from conftest import ALGORITHMS, REPO, run
 
 TINY = ["--total-steps", "300", "--eval-frequency", "100", "--eval-episodes", "3"]
 RESULT_KEYS = {"algorithm", "env_id", "epsilon", "seed", "args", "evaluations", "final_score", "behavior_return",
-               "wall_time", "train_time", "eval_time", "updates_per_second", "dataset_path", "format_version", "extra"}
+               "wall_time", "train_time", "eval_time", "updates_per_second", "dataset_path", "dataset_sha256",
+               "format_version", "platform", "extra"}
 COMMON_FLAGS = ("--env-id", "--epsilon", "--seed", "--dataset-path", "--total-steps", "--learning-rate", "--batch-size",
                 "--eval-frequency", "--eval-episodes", "--eval-seed", "--runs-dir", "--run-name", "--exp-name",
                 "--tensorboard", "--save-model", "--eval-checkpoint", "--threads")
@@ -71,6 +73,10 @@ def test_end_to_end_result_and_tensorboard(name, datasets, tmp_path):
     assert result["final_score"] == pytest.approx(np.mean([e["return_mean"] for e in result["evaluations"]]))
     assert all(np.isfinite(e["return_mean"]) and e["return_mean"] > 0 for e in result["evaluations"])
     assert result["updates_per_second"] > 0 and result["wall_time"] >= result["train_time"] + result["eval_time"] * 0.99
+    # what a float difference between machines is traced to: the libraries and the CPU features their kernels use
+    assert result["platform"]["numpy"] == np.__version__ and result["platform"]["torch_cpu_capability"]
+    assert isinstance(result["platform"]["numpy_simd"], list)
+    assert result["dataset_sha256"] == hashlib.sha256(open(datasets[0.15], "rb").read()).hexdigest()
     events = list((tmp_path / "r").glob("events.out.tfevents.*"))
     assert len(events) == 1
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
