@@ -161,9 +161,10 @@ def behavior_probs(weights: dict, obs: np.ndarray, epsilon: float) -> np.ndarray
 def numpy_simd() -> list:
     """The CPU extensions numpy dispatches to: gymnasium's Acrobot rounds an observation differently on a machine
     with others (docs/benchmark.md, "Reproducibility"), so the dataset records them."""
-    try:
-        return list(np.show_config(mode="dicts")["SIMD Extensions"]["found"])
-    except (TypeError, KeyError):  # numpy < 1.26 has no mode="dicts"
+    try:  # the baseline numpy was built for, then what it found on this CPU
+        simd = np.show_config(mode="dicts")["SIMD Extensions"]
+        return list(simd["baseline"]) + list(simd["found"])
+    except Exception:  # noqa: BLE001  (numpy < 1.26 has no mode="dicts"): a record, never a reason to fail
         return []
 
 

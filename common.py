@@ -1301,6 +1301,7 @@ class Members:
         self.paths = [p.resolve() for p, _ in (datasets[a.epsilon] for a in runs)]
         self.data = [d for _, d in (datasets[a.epsilon] for a in runs)]
         self.sha256 = {p: file_sha256(p) for p in set(self.paths)}  # as loaded, once per file
+        self.platform = platform_info()
         self.dirs, self.writers = [d for d, _ in dirs], [w for _, w in dirs]
         self.records, self.alive = [[] for _ in runs], [True] * len(runs)
         self.keys = list(datasets)  # the distinct datasets, concatenated once
@@ -1468,7 +1469,7 @@ class Members:
                 "peak_memory_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,  # of the process
                 "updates_per_second": args.total_steps / self.train_time, "dataset_path": str(self.paths[m]),
                 "dataset_sha256": self.sha256[self.paths[m]],
-                "format_version": RESULT_FORMAT_VERSION, "platform": platform_info(), "extra": extra(m),
+                "format_version": RESULT_FORMAT_VERSION, "platform": self.platform, "extra": extra(m),
             }
             if self.writers[m]:
                 self.writers[m].add_scalar("eval/final_score", final_score, args.total_steps)
@@ -1504,13 +1505,14 @@ def platform_info() -> dict:
     """The library versions and the CPU features their kernels dispatch on, recorded in result.json: the same code
     and dataset can round differently on a machine with other vector extensions (docs/benchmark.md,
     "Reproducibility")."""
-    try:
-        simd = np.show_config(mode="dicts")["SIMD Extensions"]["found"]
-    except (TypeError, KeyError):  # numpy < 1.26 has no mode="dicts"
+    try:  # the baseline numpy was built for, then what it found on this CPU
+        simd = np.show_config(mode="dicts")["SIMD Extensions"]
+        simd = list(simd["baseline"]) + list(simd["found"])
+    except Exception:  # noqa: BLE001  (numpy < 1.26 has no mode="dicts"): a record, never a reason to fail a run
         simd = []
+    capability = getattr(torch.backends.cpu, "get_cpu_capability", lambda: "")()
     return {"python": platform.python_version(), "torch": torch.__version__, "numpy": np.__version__,
-            "gymnasium": gym.__version__, "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
-            "numpy_simd": list(simd)}
+            "gymnasium": gym.__version__, "torch_cpu_capability": capability, "numpy_simd": simd}
 
 
 def finished(result: Path) -> bool:

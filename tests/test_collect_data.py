@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import platform
 
 import numpy as np
 import pytest
@@ -46,7 +47,8 @@ def test_schema(datasets):
     assert str(d["behavior_kind"]) == "epsilon_greedy"
     settings = json.loads(str(d["settings_json"]))
     assert settings["num_transitions"] == n and settings["seed"] == 0
-    assert settings["numpy_version"] == np.__version__ and isinstance(settings["numpy_simd"], list)
+    assert settings["numpy_version"] == np.__version__
+    assert settings["numpy_simd"] or platform.machine() not in ("x86_64", "AMD64")  # at least numpy's baseline
     assert np.isfinite(d["behavior_return"])
 
 

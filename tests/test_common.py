@@ -7,8 +7,10 @@ import dataclasses
 import hashlib
 import importlib.util
 import json
+import platform
 import re
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -75,8 +77,8 @@ def test_end_to_end_result_and_tensorboard(name, datasets, tmp_path):
     assert result["updates_per_second"] > 0 and result["wall_time"] >= result["train_time"] + result["eval_time"] * 0.99
     # what a float difference between machines is traced to: the libraries and the CPU features their kernels use
     assert result["platform"]["numpy"] == np.__version__ and result["platform"]["torch_cpu_capability"]
-    assert isinstance(result["platform"]["numpy_simd"], list)
-    assert result["dataset_sha256"] == hashlib.sha256(open(datasets[0.15], "rb").read()).hexdigest()
+    assert result["platform"]["numpy_simd"] or platform.machine() not in ("x86_64", "AMD64")  # at least the baseline
+    assert result["dataset_sha256"] == hashlib.sha256(Path(datasets[0.15]).read_bytes()).hexdigest()
     events = list((tmp_path / "r").glob("events.out.tfevents.*"))
     assert len(events) == 1
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
