@@ -241,37 +241,6 @@ def main(args: Args) -> None:
     common.main(args, check_args, train, run_checkpoint, behavior_network=True, member_flags=MEMBER_FLAGS)
 
 
-def deploy(runs, step, obs, q_network, confidence, p, unit, groups):
-    """Departure 11: per member, the batch's improvement certificate picks the deployed pessimism level among
-    its --deploy-pessimism levels (members sharing a dataset and levels are evaluated together, 25 at a time: the
-    arrays are [members, N, |A|] on the batch's N states). Returns pessimism [M, 1], deploy_pi [M], each member's
-    certificate (or {})."""
-    pessimism, deploy_pi, certificates = p.pessimism.copy(), np.ones(runs.M, bool), [{} for _ in range(runs.M)]
-    for levels, cert, z, members in [(levels, c, z, ms[i:i + 25]) for (_, levels), (c, z, ms) in groups.items()
-                                     for i in range(0, len(ms), 25)]:
-        members = [m for m in members if runs.alive[m]]
-        if cert is None or not members:
-            continue
-        rows = obs[runs.rows(members[0])][cert["rows"]]
-        rows, beta = rows.expand(len(members), *rows.shape), np.broadcast_to(cert["beta"], (len(members), *cert["beta"].shape))
-        q_sub, confidence_sub = q_network.select(members), confidence.select(members)
-        blocks = lambda f, k: common.in_blocks(f, len(cert["rows"]), 16384 // k)  # noqa: E731  (~16k states)
-        q_batch = blocks(lambda b: common.q_function(q_sub)(rows[:, b]), len(members))
-        lam_batch = blocks(lambda b: np.asarray(confidence_sub(rows[:, b]), dtype=np.float64), len(members))
-        q_cv = common.control_variate(q_batch, cert)  # the members' fits at once
-
-        def pi_of(level: int, idx: list) -> np.ndarray:  # the members idx's pi at a level (q, raw confidence given)
-            sub = common.columns([runs.args[members[i]] for i in idx], *FLAGS)
-            return blocks(lambda b: policy_probs(rows[:len(idx), b], beta[idx, b], None, None, sub, np.full_like(
-                sub.pessimism, levels[level]), step, unit[members][idx], q_batch[idx, b], cert["log_beta"][b],
-                cert["sqrt_beta"][b], lam_batch[idx, b]), len(idx))
-
-        for m, (level, certificate) in zip(members, common.choose_levels(pi_of, len(levels), q_cv, cert, z)):
-            pessimism[m], certificates[m] = levels[level], certificate
-            deploy_pi[m] = not runs.args[m].safety_test or certificates[m].get("certified", 0.0) == 1.0
-    return pessimism, deploy_pi, certificates
-
-
 # ---- Training
 def train(runs: common.Members) -> None:
     # --- setup ---
@@ -296,6 +265,8 @@ def train(runs: common.Members) -> None:
     td_loss_of = common.td_loss(runs.column("huber_delta"))  # squared error (the paper) or Huber's (departure 14)
     cql_alpha = runs.column("cql_alpha")  # [M, 1]
     cql_on = bool(cql_alpha.any())  # once: the paper's critic (every alpha 0) skips the term
+    evaluation = common.PolicyEvaluation(runs, lambda: QNetwork(runs.obs_dim, runs.n_actions).net,
+                                         first.evaluation_critic)  # departure 15
     act, actor_state = make_actor(runs.behavior(), q_network, confidence, p, first.eval_greedy)
     certificates, unit = [{} for _ in range(M)], None
 
@@ -306,7 +277,8 @@ def train(runs: common.Members) -> None:
         with torch.no_grad():
             next_q = target_network(batch(next_obs))
             next_v = mixed_value(next_q, batch(next_beta), mu32, next_q.max(-1).values)
-        td_target = torch.addcmul(batch(rewards), next_v, gamma32 * batch(not_done))  # r + gamma (1 - terminal) V(s')
+        discount = gamma32 * batch(not_done)
+        td_target = torch.addcmul(batch(rewards), next_v, discount)  # r + gamma (1 - terminal) V(s')
         q_all = q_network(s)
         q64 = q_all.detach().double()
         for m in np.flatnonzero(~q64.isfinite().all(-1).all(-1).numpy()):  # a diverged critic would poison the rest
@@ -323,6 +295,7 @@ def train(runs: common.Members) -> None:
         critic_loss.sum().backward()
         critic_optimizer.step()
         common.soft_update(step, target_network, q_network, period, tau)
+        evaluation.update(step, batch, s, next_obs, actions, rewards, discount)
 
         # --- log ---
         runs.log(step, lambda: {"losses/td_loss": td_loss, "losses/q_values": q_taken.mean(1),
@@ -331,14 +304,16 @@ def train(runs: common.Members) -> None:
         # --- evaluate ---
         if runs.due(step):
             runs.pause()
-            pessimism, deploy_pi, certificates = deploy(runs, step, obs, q_network, confidence, p, unit.numpy(), groups)
+            # departures 11 and 15: the certificate picks the pessimism level, the evaluation critic (opt-in) pi or beta
+            pessimism, deploy_pi, certificates = common.deploy(runs, step, obs, next_obs, q_network, confidence, p,
+                                                               unit.numpy(), groups, evaluation, policy_probs, FLAGS)
             actor_state.update(n_updates=step, unit=unit.numpy(), pessimism=pessimism, deploy_pi=deploy_pi)
-            runs.evaluate(step, [q_network], act, extra=[
+            runs.evaluate(step, [q_network] + evaluation.nets, act, extra=[
                 {"deployed": "pi" if deploy_pi[m] else "beta", "pessimism": float(pessimism[m, 0]), **certificates[m]}
                 for m in range(M)])
             runs.log(step, {"charts/deployed_pi": deploy_pi, "charts/deployed_pessimism": pessimism[:, 0],
                             **{f"losses/{k}": [c.get(k, np.nan) for c in certificates] for k in ("certificate",
-                               "certificate_lcb") if all(k in c for c in certificates)}}, every=1)
+                               "certificate_lcb", "fqe_gain") if all(k in c for c in certificates)}}, every=1)
 
     # --- finish ---
     runs.finish("brpo_c", lambda m: {**certificates[m], "deployed_pi": float(actor_state["deploy_pi"][m]),  # the last

@@ -126,6 +126,8 @@ class DeployArgs(TDArgs):
     """discount of the logged returns-to-go in the certificate (1.0: the undiscounted return, noisier)"""
     safety_test: bool = False
     """deploy beta instead of pi whenever the batch does not certify pi's improvement (off: the paper, always pi)"""
+    evaluation_critic: bool = False
+    """deploy beta while a critic of pi alone (fitted Q evaluation) finds pi worse than beta on the logged episodes"""
 
 
 def fail(msg: str) -> None:
@@ -1604,7 +1606,9 @@ def certificate_data(data: dict, beta: np.ndarray, gamma: float, behavior: Behav
         q_b = behavior.q_values(torch.from_numpy(obs[rows])).numpy()
     state_features = np.stack([np.ones(len(rows)), (beta[rows] * q_b).sum(1), q_b.max(1)], 1)
     unsupported = beta[rows] == 0  # actions beta never takes (a greedy behaviour, --behavior-floor 0): None if none
+    first = np.flatnonzero(np.diff(episode, prepend=-1))  # each episode's first row (episode is sorted)
     return {"rows": rows, "episode": episode, "n_episodes": n_episodes, "actions": actions[rows], "beta": beta[rows],
+            "time": np.arange(len(rows)) - first[episode],  # t of each row inside its episode
             "beta_taken": beta_taken, "returns": returns[rows], "state_features": state_features, "q_b": q_b,
             "unsupported": unsupported if unsupported.any() else None}, None
 
@@ -1720,16 +1724,17 @@ def report_certificate(c: dict, n_episodes: int, args: DeployArgs, deploy_pi: bo
     if c:
         print(f"improvement certificate over {n_episodes} logged episodes: {c['certificate']:.4g} +- "
               f"{c['certificate_se']:.3g}, lower bound {c['certificate_lcb']:.4g} ({args.certificate_confidence:.0%}); "
-              "deployed: " + (f"pi, pessimism {pessimism:g}" if deploy_pi else "beta (the safety test)"))
+              "deployed: " + (f"pi, pessimism {pessimism:g}" if deploy_pi else "beta (the safety test)" if not c.get(
+                  "fqe_gain", 0.0) < 0.0 else f"beta (the evaluation critic's gain of pi is {c['fqe_gain']:.4g})"))
 
 
-def choose_levels(pi_of, n_levels: int, q_cv: np.ndarray, cert: dict, z: float) -> list[tuple[int, dict]]:
+def choose_levels(pi_of, n_levels: int, q_cv: np.ndarray, cert: dict, z: float) -> list[tuple[int, dict, np.ndarray]]:
     """BRPO's deployed level (departure 11 in docs/brpo.md) for each of K members, from pi rebuilt with each
     --deploy-pessimism level: pi as trained (the first) while the batch certifies it, else the certified level no
     farther from beta with the highest lower bound, else the level nearest beta (what remains of Theorem 2's penalty
     when no gain is shown). pi_of(level, idx) -> the members idx's pi at that level [len(idx), N, |A|]: the later
     levels are built only for the members whose first is not certified. q_cv [K, N, |A|]: control_variate(q, cert) of
-    their critics. Returns each member's level and its certificate."""
+    their critics. Returns each member's level, its certificate and its pi."""
     first = pi_of(0, list(range(len(q_cv))))
     options = [[improvement_certificate(pi, None, cert, z, cv)] for pi, cv in zip(first, q_cv)]
     rest = [i for i, o in enumerate(options) if not o[0]["certified"]]
@@ -1744,5 +1749,113 @@ def choose_levels(pi_of, n_levels: int, q_cv: np.ndarray, cert: dict, z: float) 
         certified = [k for k, o in enumerate(options[i]) if o["certified"] and distance[k] <= distance[0]]
         level = (max(certified, key=lambda k: options[i][k]["certificate_lcb"]) if certified else
                  min(range(len(pis)), key=lambda k: distance[k]))
-        chosen.append((level, {**options[i][level], "tv_to_beta": distance[level]}))
+        chosen.append((level, {**options[i][level], "tv_to_beta": distance[level]}, pis[level]))
     return chosen
+
+
+def deploy(runs, step, obs, next_obs, q_network, confidence, p, unit, groups, evaluation, policy_probs, flags):
+    """BRPO's and BRPO-C's deployed policy (policy_probs: the script's pi, flags: its FLAGS). Departure 11 (docs/
+    brpo.md): per member, the batch's improvement certificate picks the deployed pessimism level among
+    its --deploy-pessimism levels (members sharing a dataset and levels are evaluated together, 25 at a time: the
+    arrays are [members, N, |A|] on the batch's N states). Returns pessimism [M, 1], deploy_pi [M], each member's
+    certificate (or {}). Departure 15: beta is deployed while the evaluation critic's gain of pi is negative, and
+    it is given the deployed pi to evaluate next."""
+    pessimism, deploy_pi, certificates = p.pessimism.copy(), np.ones(runs.M, bool), [{} for _ in range(runs.M)]
+    for levels, cert, z, members in [(levels, c, z, ms[i:i + 25]) for (_, levels), (c, z, ms) in groups.items()
+                                     for i in range(0, len(ms), 25)]:
+        members = [m for m in members if runs.alive[m]]
+        if cert is None or not members:
+            continue
+        rows = obs[runs.rows(members[0])][cert["rows"]]
+        rows, beta = rows.expand(len(members), *rows.shape), np.broadcast_to(cert["beta"], (len(members), *cert["beta"].shape))
+        q_sub, confidence_sub = q_network.select(members), confidence.select(members)
+        blocks = lambda f, k: in_blocks(f, len(cert["rows"]), 16384 // k)  # noqa: E731  (~16k states)
+        q_batch = blocks(lambda b: q_function(q_sub)(rows[:, b]), len(members))
+        lam_batch = blocks(lambda b: np.asarray(confidence_sub(rows[:, b]), dtype=np.float64), len(members))
+        q_cv = control_variate(q_batch, cert)  # the members' fits at once
+
+        def pi_of(level: int, idx: list) -> np.ndarray:  # the members idx's pi at a level (q, raw confidence given)
+            sub = columns([runs.args[members[i]] for i in idx], *flags)
+            return blocks(lambda b: policy_probs(rows[:len(idx), b], beta[idx, b], None, None, sub, np.full_like(
+                sub.pessimism, levels[level]), step, unit[members][idx], q_batch[idx, b], cert["log_beta"][b],
+                cert["sqrt_beta"][b], lam_batch[idx, b]), len(idx))
+
+        chosen = choose_levels(pi_of, len(levels), q_cv, cert, z)
+        gains = evaluation.gain(members, rows, np.stack([c[2] for c in chosen]), cert)
+        for m, (level, certificate, _), gain in zip(members, chosen, gains):
+            pessimism[m], certificates[m] = levels[level], {**certificate, **gain}
+            deploy_pi[m] = ((not runs.args[m].safety_test or certificate.get("certified", 0.0) == 1.0)
+                            and gain.get("fqe_gain", 0.0) >= 0.0)
+    evaluation.refresh(lambda m, b, beta_b: policy_probs(next_obs[b][None], beta_b[None], q_network.select([m]),
+                       confidence.select([m]), columns([runs.args[m]], *flags), pessimism[[m]], step, unit[[m]]))
+    return pessimism, deploy_pi, certificates
+
+
+# ---- The evaluation critic (departure 15 in docs/brpo.md): deploy beta where Q^pi shows pi is worse
+def performance_difference(pi: np.ndarray, q_pi: np.ndarray, cert: dict, gamma: float) -> dict:
+    """J(pi) - J(beta) by the performance-difference lemma on beta's logged episodes, given pi's action values q_pi
+    [N, |A|] on the certificate's states: E_episodes[sum_t gamma^t sum_a (pi - beta)(a|s_t) q_pi(s_t, a)] (exact for
+    the true Q^pi; an error of q_pi that is constant over actions cancels), with its standard error over episodes (of
+    the sampling only, not of q_pi's own error)."""
+    per_step = row_sum((pi - cert["beta"]) * q_pi) * gamma ** cert["time"]
+    per_episode = np.bincount(cert["episode"], weights=per_step, minlength=cert["n_episodes"])
+    return {"fqe_gain": float(per_episode.mean()), "fqe_gain_se": float(per_episode.std(ddof=1) / math.sqrt(len(
+        per_episode)))}
+
+
+FQE_PERIOD = 100  # updates between hard copies to its target: 1,000 fitted-Q iterations in 100k updates
+
+
+class PolicyEvaluation:
+    """Fitted Q evaluation (Le et al. 2019) of each member's deployed pi, beside the method's critic: a network of the
+    paper's architecture trained on the batch towards r + gamma (1 - terminal) sum_a pi(a|s') Q_target(s', a), with
+    pi at every next state refreshed at each evaluation (beta before the first), so that performance_difference sees
+    what the first-order certificate cannot: that pi visits other states than beta (beta's greedy policy can be
+    certified and lose 150 points: log 2026-11-29-evaluation-critic). Its initial weights are the member's critic's
+    and its minibatches the member's; the method's own networks and random streams are unchanged."""
+
+    def __init__(self, runs, make_net, on: bool = True):
+        self.on, self.nets = on, []  # off (the default): every method below does nothing
+        if not on:
+            return
+        with torch.random.fork_rng():  # the method's own random streams continue as without it
+            self.net = Stack(runs.build(lambda: [make_net()])[0])
+        self.target, self.optimizer = self.net.copy(), Adam(self.net, runs.column("learning_rate"))
+        self.runs, self.start = runs, torch.tensor(np.cumsum([0] + runs.sizes[:-1]))[:, None]
+        beta = runs.tensor("next_behavior_probs").double().numpy()
+        self.next_beta = beta / beta.sum(1, keepdims=True)
+        self.pi_next = torch.cat([torch.from_numpy(self.next_beta[runs.rows(m)]).float() for m in range(runs.M)])
+        self.nets = [self.net]  # checked for divergence at every evaluation with the method's networks
+
+    def update(self, step: int, batch, s, next_obs, actions, rewards, discount) -> None:
+        """One step on the minibatch (s = batch(obs), discount = gamma (1 - terminal) [M, B])."""
+        if not self.on:
+            return
+        with torch.no_grad():  # pi_next is stored per member: its rows are the minibatch's, shifted to the member's block
+            pi = Minibatch(batch.idx - self.runs.offsets + self.start)(self.pi_next)
+            target = torch.addcmul(batch(rewards), row_sum(self.target(batch(next_obs)) * pi), discount)
+        q = self.net(s).gather(-1, batch(actions).unsqueeze(-1)).squeeze(-1)
+        loss = (q - target).square().mean(1)
+        loss.sum().backward()
+        self.optimizer.step()
+        if step % FQE_PERIOD == 0:
+            self.target.flat.copy_(self.net.flat)
+        self.runs.log(step, {"losses/fqe_td_loss": loss})
+
+    def gain(self, members: list, states: torch.Tensor, pis: np.ndarray, cert: dict) -> list[dict]:
+        """performance_difference of the members' pis [K, N, |A|] with their Q^pi on the certificate's states."""
+        if not self.on:
+            return [{} for _ in members]
+        q = in_blocks(lambda b: q_function(self.net.select(members))(states[:, b]), len(cert["rows"]),
+                      16384 // len(members))
+        return [performance_difference(pis[i], q[i], cert, self.runs.args[m].gamma) for i, m in enumerate(members)]
+
+    def refresh(self, probs) -> None:
+        """Each live member's pi at every next state of its batch: probs(m, rows, next_beta[rows]) -> pi [1, n, |A|],
+        rows a slice (<= 16,384 states) of the members' concatenated data."""
+        for m in np.flatnonzero(self.runs.alive) if self.on else []:
+            rows = self.runs.rows(m)
+            pi = [probs(m, slice(i, min(i + 16384, rows.stop)), self.next_beta[i:i + 16384][:rows.stop - i])[0]
+                  for i in range(rows.start, rows.stop, 16384)]
+            self.pi_next[int(self.start[m]):int(self.start[m]) + self.runs.sizes[m]] = torch.from_numpy(
+                np.concatenate(pi)).float()

@@ -842,7 +842,7 @@ def test_brpo_c_differs_only_in_confidence():
     # inside train, the critic update, the target update and the evaluation are verbatim the same lines
     for needle in ("next_v = mixed_value(next_q, batch(next_beta), mu32", "td_target = torch.addcmul(batch(rewards), next_v",
                    "common.soft_update(step, target_network, q_network, period, tau)", "runs.log(step, {\"charts/deployed_pi\": deploy_pi",
-                   "common.choose_levels(pi_of, len(levels), q_cv, cert, z)", "unit = batch_unit if step == 1",
+                   "common.deploy(runs, step, obs, next_obs, q_network", "unit = batch_unit if step == 1",
                    "td_loss = td_loss_of(q_taken, td_target)", "critic_loss = td_loss + (cql_alpha"):
         line = next(line for line in brpo_src if needle in line)
         assert line in c_src
@@ -965,11 +965,74 @@ def test_certificate_returns_and_episodes():
     assert reason is None
     np.testing.assert_array_equal(cert["rows"], np.arange(8))
     np.testing.assert_array_equal(cert["episode"], [0, 0, 0, 0, 1, 1, 1, 1])
+    np.testing.assert_array_equal(cert["time"], [0, 1, 2, 3, 0, 1, 2, 3])  # t inside its episode
     assert cert["n_episodes"] == 2 and data["timeouts"][3] and data["terminals"][7]
     returns = [0 + .5 * (1 + .5 * (2 + .5 * 3)), 1 + .5 * (2 + .5 * 3), 2 + .5 * 3, 3,
                4 + .5 * (5 + .5 * (6 + .5 * 7)), 5 + .5 * (6 + .5 * 7), 6 + .5 * 7, 7]
     np.testing.assert_allclose(cert["returns"], returns, rtol=1e-12)
     np.testing.assert_array_equal(cert["beta_taken"], beta[np.arange(8), data["actions"][:8]])
+
+
+def tabular_mdp(rng, n_states=5, gamma=0.9, stop=0.2):
+    """A random MDP over 2 actions that ends with probability `stop` at every step, its behaviour policy beta and
+    another policy pi (one row per state), and exact values by linear solves: Q^pi and J(pi) - J(beta) from s_0 = 0."""
+    p = rng.dirichlet(np.ones(n_states), size=(n_states, 2)) * (1.0 - stop)  # P(s' | s, a), the rest ends
+    r = rng.normal(size=(n_states, 2))
+    beta, pi = rng.dirichlet(np.ones(2), size=n_states), rng.dirichlet([0.3, 0.3], size=n_states)
+
+    def q_of(policy):
+        p_pi = np.einsum("sat,tb->satb", p, policy).reshape(2 * n_states, 2 * n_states)  # (s, a) -> (s', a')
+        return np.linalg.solve(np.eye(2 * n_states) - gamma * p_pi, r.reshape(-1)).reshape(n_states, 2)
+
+    q_pi, q_beta = q_of(pi), q_of(beta)
+    return p, r, beta, pi, q_pi, (pi[0] * q_pi[0]).sum() - (beta[0] * q_beta[0]).sum()
+
+
+def test_performance_difference_is_exact_on_beta_episodes():
+    """Departure 15's estimator, sum_t gamma^t sum_a (pi - beta)(a|s_t) Q^pi(s_t, a) averaged over beta's episodes,
+    is J(pi) - J(beta) (the performance-difference lemma) for the true Q^pi on a random tabular MDP: within 4
+    standard errors over 20,000 logged episodes and 5 MDPs; an error of Q^pi constant over actions changes nothing;
+    pi = beta gains exactly 0."""
+    gamma = 0.9
+    for seed in range(5):
+        rng = np.random.default_rng(seed)
+        p, _, beta, pi, q_pi, truth = tabular_mdp(rng, gamma=gamma)
+        states, episode, time = [], [], []
+        for e in range(20_000):  # beta's episodes from s_0 = 0
+            s, t = 0, 0
+            while True:
+                states.append(s), episode.append(e), time.append(t)
+                a = int(rng.random() < beta[s, 1])
+                nxt = rng.choice(len(p) + 1, p=np.append(p[s, a], 1.0 - p[s, a].sum()))
+                if nxt == len(p):
+                    break
+                s, t = nxt, t + 1
+        states = np.array(states)
+        cert = {"beta": beta[states], "episode": np.array(episode), "time": np.array(time), "n_episodes": 20_000}
+        out = common.performance_difference(pi[states], q_pi[states], cert, gamma)
+        assert abs(out["fqe_gain"] - truth) < 4 * out["fqe_gain_se"] and 0 < out["fqe_gain_se"] < 0.05
+        shifted = q_pi[states] + rng.normal(size=(len(states), 1)) * 100  # per state, the same for every action
+        assert common.performance_difference(pi[states], shifted, cert, gamma)["fqe_gain"] == pytest.approx(
+            out["fqe_gain"], abs=1e-9)
+        assert common.performance_difference(beta[states], q_pi[states], cert, gamma)["fqe_gain"] == 0.0
+
+
+@pytest.mark.parametrize("script", ["brpo.py", "brpo_c.py"])
+def test_evaluation_critic_gates_deployment(script, datasets, tmp_path):
+    """Departure 15 (--evaluation-critic): every evaluation records the evaluation critic's gain of pi (finite) and
+    deploys pi exactly when that gain is >= 0 (the safety test off); the critic changes nothing else: without it (the
+    default) every certificate is the same, pi is always deployed, and no gain is recorded."""
+    flags = ["--seed", "4", "--total-steps", "600"]
+    on = train(script, datasets[0.15], tmp_path, "on", *flags, "--evaluation-critic")
+    off = train(script, datasets[0.15], tmp_path, "off", *flags)
+    for a, b in zip(on["evaluations"], off["evaluations"]):
+        assert np.isfinite(a["fqe_gain"]) and a["fqe_gain_se"] > 0
+        assert a["deployed"] == ("pi" if a["fqe_gain"] >= 0 else "beta")
+        assert "fqe_gain" not in b and b["deployed"] == "pi"
+        assert (a["certificate"], a["tv_to_beta"], a["pessimism"]) == (b["certificate"], b["tv_to_beta"], b["pessimism"])
+        if a["deployed"] == "pi":
+            assert a["return_mean"] == b["return_mean"]
+    assert {e["deployed"] for e in on["evaluations"]} == {"pi", "beta"}  # seed 4: the gate closes at some evaluations
 
 
 def test_certificate_is_unbiased_and_decides():
@@ -1044,12 +1107,13 @@ def test_choose_levels_builds_later_levels_only_where_needed():
 
     chosen = common.choose_levels(pi_of, 2, q_cv, cert, z)
     assert reason is None and asked == {0: [0, 1, 2, 3], 1: [1, 2, 3]}
-    assert [level for level, _ in chosen] == [0, 1, 1, 0]  # the last: good is certified but farther than near
-    assert [c["certified"] for _, c in chosen] == [1.0, 1.0, 0.0, 0.0]
+    assert [level for level, _, _ in chosen] == [0, 1, 1, 0]  # the last: good is certified but farther than near
+    assert [c["certified"] for _, c, _ in chosen] == [1.0, 1.0, 0.0, 0.0]
+    assert all(np.array_equal(pi, levels[i][level]) for i, (level, _, pi) in enumerate(chosen))
     assert common.improvement_certificate(good, None, cert, z, q_cv[3])["certified"] == 1.0
-    for i, (level, c) in enumerate(chosen):
+    for i, (level, c, _) in enumerate(chosen):
         alone = common.choose_levels(lambda lv, idx: np.stack([levels[i][lv]]), 2, q_cv[i:i + 1], cert, z)
-        assert alone == [(level, c)]
+        assert [a[:2] for a in alone] == [(level, c)]
         assert c["tv_to_beta"] == common.tv_to_beta(levels[i][level], b)
 
 
@@ -1132,18 +1196,19 @@ def test_certificate_refuses_batches_without_returns():
 def test_deployment_of_many_members_on_one_dataset(script, datasets, tmp_path):
     """deploy evaluates the members of a dataset 25 at a time (its arrays are [members, N, |A|]): with 27 members,
     the first and the last (the second group) certify and deploy what their single runs do."""
-    seeds = [str(s) for s in range(1, 28)]
+    seeds, critic = [str(s) for s in range(1, 28)], "--evaluation-critic"  # departure 15 on: its gains too
     result = lambda name: json.loads((tmp_path / "runs" / name / "result.json").read_text())  # noqa: E731
     proc = run_in_process([REPO / script, "--dataset-path", datasets[0.15], "--runs-dir", tmp_path / "runs",
-                           "--run-name", "m{seed}", *TINY, "--seeds", *seeds])
+                           "--run-name", "m{seed}", *TINY, critic, "--seeds", *seeds])
     assert proc.returncode == 0, proc.stderr[-3000:]
     for seed in ("1", "27"):
-        member, alone = result(f"m{seed}"), train(script, datasets[0.15], tmp_path, f"a{seed}", "--seed", seed)
+        member, alone = result(f"m{seed}"), train(script, datasets[0.15], tmp_path, f"a{seed}", critic, "--seed", seed)
         for e, f in zip(member["evaluations"], alone["evaluations"], strict=True):
             assert (e["pessimism"], e["deployed"], e["certified"]) == (f["pessimism"], f["deployed"], f["certified"])
             assert e["return_mean"] == f["return_mean"]
             for key in ("certificate", "certificate_lcb"):
                 assert e[key] == pytest.approx(f[key], rel=1e-6, abs=1e-9)
+            assert e["fqe_gain"] == pytest.approx(f["fqe_gain"], rel=1e-4, abs=1e-6)  # its own pi and Q^pi
 
 
 @pytest.mark.parametrize("script", ["brpo.py", "brpo_c.py"])

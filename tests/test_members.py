@@ -49,12 +49,13 @@ def test_a_member_is_the_run_with_its_seed_alone(name, task_datasets, tmp_path, 
     """Members train on their own datasets with their own seeds: the same losses as the single runs over the first
     1,000 updates (float tolerance: batched kernels), and the same evaluations."""
     module = load_script(name)
-    flags = dict(total_steps=1000, eval_frequency=500, runs_dir=str(tmp_path / "runs"))
+    flags = dict(total_steps=1000, eval_frequency=500, runs_dir=str(tmp_path / "runs"),
+                 **({"evaluation_critic": True} if hasattr(module.Args, "evaluation_critic") else {}))  # BRPO's too
     together = recorded_losses(module, monkeypatch, seeds=(1, 2), epsilons=(0.15, 1.0), run_name="{epsilon}/{seed}",
                                **flags)
     for m, (eps, seed) in enumerate([(0.15, 1), (0.15, 2), (1.0, 1), (1.0, 2)]):
         alone = recorded_losses(module, monkeypatch, seed=seed, epsilon=eps, run_name=f"alone{eps:g}_{seed}", **flags)
-        for loss in ("losses/td_loss", "losses/nll", "losses/cql_loss"):
+        for loss in ("losses/td_loss", "losses/nll", "losses/cql_loss", "losses/fqe_td_loss"):
             if loss in alone:
                 np.testing.assert_allclose(together[loss][:, m], alone[loss][:, 0], rtol=1e-4, atol=1e-6)
         member = json.loads((tmp_path / "runs" / f"{eps:g}" / str(seed) / "result.json").read_text())
