@@ -1721,11 +1721,12 @@ def deployment_groups(runs, beta_all: np.ndarray, log_probs, sqrt_floored) -> di
 
 
 def report_certificate(c: dict, n_episodes: int, args: DeployArgs, deploy_pi: bool, pessimism: float) -> None:
+    why = (f"the evaluation critic's gain of pi is {c['fqe_gain']:.4g}" if c.get("fqe_gain", 0.0) < 0.0 else
+           "the safety test")
     if c:
         print(f"improvement certificate over {n_episodes} logged episodes: {c['certificate']:.4g} +- "
               f"{c['certificate_se']:.3g}, lower bound {c['certificate_lcb']:.4g} ({args.certificate_confidence:.0%}); "
-              "deployed: " + (f"pi, pessimism {pessimism:g}" if deploy_pi else "beta (the safety test)" if not c.get(
-                  "fqe_gain", 0.0) < 0.0 else f"beta (the evaluation critic's gain of pi is {c['fqe_gain']:.4g})"))
+              "deployed: " + (f"pi, pessimism {pessimism:g}" if deploy_pi else f"beta ({why})"))
 
 
 def choose_levels(pi_of, n_levels: int, q_cv: np.ndarray, cert: dict, z: float) -> list[tuple[int, dict, np.ndarray]]:
@@ -1786,8 +1787,12 @@ def deploy(runs, step, obs, next_obs, q_network, confidence, p, unit, groups, ev
             pessimism[m], certificates[m] = levels[level], {**certificate, **gain}
             deploy_pi[m] = ((not runs.args[m].safety_test or certificate.get("certified", 0.0) == 1.0)
                             and gain.get("fqe_gain", 0.0) >= 0.0)
-    evaluation.refresh(lambda m, b, beta_b: policy_probs(next_obs[b][None], beta_b[None], q_network.select([m]),
-                       confidence.select([m]), columns([runs.args[m]], *flags), pessimism[[m]], step, unit[[m]]))
+
+    def member_pi(m: int):  # member m's deployed pi at given next states (its networks and flags picked once)
+        q_m, confidence_m, p_m = q_network.select([m]), confidence.select([m]), columns([runs.args[m]], *flags)
+        return lambda b, beta_b: policy_probs(next_obs[b][None], beta_b[None], q_m, confidence_m, p_m, pessimism[[m]],
+                                              step, unit[[m]])
+    evaluation.refresh(member_pi)
     return pessimism, deploy_pi, certificates
 
 
@@ -1846,16 +1851,16 @@ class PolicyEvaluation:
         """performance_difference of the members' pis [K, N, |A|] with their Q^pi on the certificate's states."""
         if not self.on:
             return [{} for _ in members]
-        q = in_blocks(lambda b: q_function(self.net.select(members))(states[:, b]), len(cert["rows"]),
-                      16384 // len(members))
+        q_pi = q_function(self.net.select(members))
+        q = in_blocks(lambda b: q_pi(states[:, b]), len(cert["rows"]), 16384 // len(members))
         return [performance_difference(pis[i], q[i], cert, self.runs.args[m].gamma) for i, m in enumerate(members)]
 
-    def refresh(self, probs) -> None:
-        """Each live member's pi at every next state of its batch: probs(m, rows, next_beta[rows]) -> pi [1, n, |A|],
+    def refresh(self, member_pi) -> None:
+        """Each live member's pi at every next state of its batch: member_pi(m)(rows, next_beta[rows]) -> pi [1, n, |A|],
         rows a slice (<= 16,384 states) of the members' concatenated data."""
         for m in np.flatnonzero(self.runs.alive) if self.on else []:
-            rows = self.runs.rows(m)
-            pi = [probs(m, slice(i, min(i + 16384, rows.stop)), self.next_beta[i:i + 16384][:rows.stop - i])[0]
+            rows, probs = self.runs.rows(m), member_pi(m)
+            pi = [probs(slice(i, min(i + 16384, rows.stop)), self.next_beta[i:i + 16384][:rows.stop - i])[0]
                   for i in range(rows.start, rows.stop, 16384)]
             self.pi_next[int(self.start[m]):int(self.start[m]) + self.runs.sizes[m]] = torch.from_numpy(
                 np.concatenate(pi)).float()
