@@ -6,6 +6,7 @@ together with common.py). Bad input ends in one line on stderr and exit status 1
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import fcntl
 import functools
 import hashlib
@@ -1041,76 +1042,218 @@ class AcrobotVector:
 class LunarLanderSteps:
     """LunarLander-v3 (discrete, no wind) for n episodes: gymnasium's environments and their Box2D worlds, each time
     step applying the engine impulses, stepping the world and computing the observation, reward and termination as
-    LunarLander.step does, in the same float64 operations (the same trajectories, tested), without its per-call checks.
+    LunarLander.step does, in the same operations (the same trajectories, tested), without its per-call checks.
     The engines' dispersion draws come from the environment's own generator, two per step as in step(), drawn a block
     at a time after each reset (a Generator's uniforms are the same numbers drawn one by one or as an array).
-    step(active, actions) -> the active episodes' observations [k, 8] float32, rewards [k], terminated [k]."""
+    step(active, actions) -> the active episodes' observations [k, 8] float32, rewards [k], terminated [k].
+
+    What a step reads from and writes to the landers (pose, velocities, the engines' impulses) goes straight to Box2D's
+    b2Body structs, all environments in a few numpy operations on views at the bodies' addresses, with
+    b2Body::ApplyLinearImpulse's float32 arithmetic, so that Box2D's world step is nearly all of a step's cost (the
+    measurement: docs/benchmark.md). The structs' layout (Box2D 2.3's) is checked against Box2D's accessors and one impulse at every reset; if it does not match,
+    every step goes through the Python interface (direct = False), with the same numbers."""
 
     BLOCK = 512  # dispersion draws per environment at a time: two per step, 256 steps
+    # b2Body's fields in float32 words (Box2D 2.3): m_xf.p, m_sweep.c, m_sweep.a, m_linearVelocity,
+    # m_angularVelocity, m_invMass, m_invI; m_type (int32) is word 0, m_flags (uint16) byte 4
+    POS, CENTER, ANGLE, VEL, SPIN, INV_MASS, INV_I = 3, 11, 14, 16, 18, 37, 39
+    STRUCT_WORDS, AWAKE = 64, 0x0002  # a bound on the words read; b2Body::e_awakeFlag
 
-    def __init__(self, envs: list):
+    def __init__(self, envs: list, direct: bool = True):
         from gymnasium.envs.box2d import lunar_lander as ll
-        self.envs, self.ll, self.t = [e.unwrapped for e in envs], ll, 0
+        self.envs, self.ll, self.t, self.allow_direct = [e.unwrapped for e in envs], ll, 0, direct
 
     def reset(self, seeds) -> np.ndarray:
         obs = np.stack([env.reset(seed=s)[0] for env, s in zip(self.envs, seeds)])
-        self.noise = [(env.np_random.uniform(-1.0, 1.0, self.BLOCK) / self.ll.SCALE).tolist() for env in self.envs]
-        # each lander's angle and position before its next step (each step leaves them for the next: one Box2D read)
-        self.pose = [(env.lander.angle, *env.lander.position) for env in self.envs]
+        self.noise = np.stack([env.np_random.uniform(-1.0, 1.0, self.BLOCK) / self.ll.SCALE for env in self.envs])
+        self.prev_shaping = np.array([env.prev_shaping for env in self.envs])
+        self.helipad_y = np.array([env.helipad_y for env in self.envs])
         self.t = 0
+        self.direct = self.allow_direct and self.map_bodies()
         return obs
 
+    def replay(self, ks: np.ndarray, seeds: list, past: np.ndarray) -> None:
+        """Environments ks to where episodes reset(seed=seeds) are after the actions past [steps, len(ks)] (the steps
+        so far of the copies they leave): reset, the same dispersion draws, then those steps one environment at a
+        time through Box2D's Python interface, only the impulses and the world steps (the same numbers as
+        step_direct's); the shaping the next reward starts from is computed once, at the end."""
+        ll, scale = self.ll, self.ll.SCALE
+        for k, seed, actions in zip(ks.tolist(), seeds, past.T.tolist()):
+            env = self.envs[k]
+            env.reset(seed=seed)
+            noise = env.np_random.uniform(-1.0, 1.0, self.noise.shape[1]) / scale
+            self.noise[k], self.helipad_y[k], lander, d = noise, env.helipad_y, env.lander, noise.tolist()
+            for t, a in enumerate(actions):
+                if 1 <= a <= 3:  # engines(), one episode in Python floats (the same IEEE operations)
+                    angle, (px, py), d0, d1 = lander.angle, lander.position, d[2 * t], d[2 * t + 1]
+                    tip0, tip1 = math.sin(angle), math.cos(angle)
+                    if a == 2:
+                        ox = tip0 * (ll.MAIN_ENGINE_Y_LOCATION / scale + 2 * d0) + (-tip1) * d1
+                        oy = -tip1 * (ll.MAIN_ENGINE_Y_LOCATION / scale + 2 * d0) - tip0 * d1
+                        power, x, y = ll.MAIN_ENGINE_POWER, px + ox, py + oy
+                    else:
+                        ox = tip0 * d0 + (-tip1) * (3 * d1 + (a - 2.0) * ll.SIDE_ENGINE_AWAY / scale)
+                        oy = -tip1 * d0 - tip0 * (3 * d1 + (a - 2.0) * ll.SIDE_ENGINE_AWAY / scale)
+                        power = ll.SIDE_ENGINE_POWER
+                        x, y = px + ox - tip0 * 17 / scale, py + oy + tip1 * ll.SIDE_ENGINE_HEIGHT / scale
+                    lander.ApplyLinearImpulse((-ox * power * 1.0, -oy * power * 1.0), (x, y), True)
+                env.world.Step(1.0 / ll.FPS, 6 * 30, 2 * 30)
+            self.prev_shaping[k] = self.shaping(self.states([k]))[0] if actions else env.prev_shaping
+        self.direct = self.direct and self.map_bodies(ks)
+
+    def map_bodies(self, ks: Optional[np.ndarray] = None) -> bool:
+        """Views of the landers' b2Body structs (float32, uint16 and int32 views from the lowest address to past the
+        highest; only the fields indexed are ever read) and each lander's word offset; ks: only those landers are
+        new (replayed), the views are kept if they reach them. False (the Python interface) if the check fails."""
+        try:
+            ks = np.arange(len(self.envs)) if ks is None else ks
+            addresses = np.array([int(self.envs[k].lander.this) for k in ks.tolist()], dtype=np.int64)
+            rel = addresses - getattr(self, "base", 0)
+            if len(ks) == len(self.envs) or rel.min() < 0 or (rel % 4).any() or rel.max() // 4 + self.STRUCT_WORDS > len(
+                    self.f32):
+                ks, addresses = np.arange(len(self.envs)), np.array([int(b.this) for b in self.landers()], np.int64)
+                self.base = int(addresses.min()) & ~7
+                words = (int(addresses.max()) - self.base) // 4 + self.STRUCT_WORDS
+                self.f32 = np.ctypeslib.as_array((ctypes.c_float * words).from_address(self.base))
+                self.u16 = np.ctypeslib.as_array((ctypes.c_uint16 * (2 * words)).from_address(self.base))
+                self.i32 = np.ctypeslib.as_array((ctypes.c_int32 * words).from_address(self.base))
+                self.off, rel = np.zeros(len(self.envs), dtype=np.int64), addresses - self.base
+                if (rel % 4).any():
+                    return False
+            self.off[ks] = rel // 4
+            return self.layout_holds(ks)
+        except Exception:  # noqa: BLE001  (another Box2D build): the Python interface, the same numbers
+            return False
+
+    def layout_holds(self, ks: np.ndarray) -> bool:
+        """The fields step_direct() uses, read at the offsets assumed, equal Box2D's accessors for landers ks, and one
+        impulse applied to the first of them by Box2D and by step_direct()'s arithmetic gives the same velocities
+        (then restored)."""
+        f, o, bodies = self.f32, self.off[ks], [self.envs[k].lander for k in ks.tolist()]
+        expected = {self.POS: [b.position.x for b in bodies], self.POS + 1: [b.position.y for b in bodies],
+                    self.CENTER: [b.worldCenter.x for b in bodies], self.CENTER + 1: [b.worldCenter.y for b in bodies],
+                    self.ANGLE: [b.angle for b in bodies], self.VEL: [b.linearVelocity.x for b in bodies],
+                    self.VEL + 1: [b.linearVelocity.y for b in bodies], self.SPIN: [b.angularVelocity for b in bodies],
+                    self.INV_MASS: [np.float32(1.0) / np.float32(b.mass) for b in bodies]}
+        if not all(np.array_equal(f[o + k].astype(np.float64), np.asarray(v, dtype=np.float64))
+                   for k, v in expected.items()):
+            return False
+        if not ((self.i32[o] == 2).all() and ((self.u16[2 * o + 2] & self.AWAKE) != 0).all()):  # dynamic and awake
+            return False
+        b, k, fields = bodies[0], o[:1], (self.VEL, self.VEL + 1, self.SPIN)
+        saved = [f[k + i].copy() for i in fields]
+        impulse, point = np.float32([0.37, -1.3]), np.float32([b.position.x + 0.11, b.position.y - 0.23])
+        predicted = self.impulse_velocities(k, impulse[:1], impulse[1:], point[:1], point[1:])
+        b.ApplyLinearImpulse(tuple(impulse.tolist()), tuple(point.tolist()), True)
+        ok = all(np.array_equal(p, f[k + i]) for p, i in zip(predicted, fields))
+        for i, value in zip(fields, saved):
+            f[k + i] = value
+        return ok and all(np.array_equal(f[k + i], value) for i, value in zip(fields, saved))
+
+    def landers(self):
+        return (env.lander for env in self.envs)
+
+    def impulse_velocities(self, o, ix, iy, px, py):
+        """b2Body::ApplyLinearImpulse on awake bodies at word offsets o, in float32 as Box2D computes it: v += invMass
+        impulse, w += invI cross(point - center, impulse). Returns the new (v.x, v.y, w)."""
+        f = self.f32
+        inv_m, inv_i = f[o + self.INV_MASS], f[o + self.INV_I]
+        cross = (px - f[o + self.CENTER]) * iy - (py - f[o + self.CENTER + 1]) * ix
+        return f[o + self.VEL] + inv_m * ix, f[o + self.VEL + 1] + inv_m * iy, f[o + self.SPIN] + inv_i * cross
+
     def step(self, active: np.ndarray, actions: np.ndarray):
-        ll, sin, cos, sqrt, i0 = self.ll, math.sin, math.cos, math.sqrt, 2 * self.t
-        scale, w2, h2 = ll.SCALE, ll.VIEWPORT_W / ll.SCALE / 2, ll.VIEWPORT_H / ll.SCALE / 2
-        main_y, main_power, side_power = ll.MAIN_ENGINE_Y_LOCATION / scale, ll.MAIN_ENGINE_POWER, ll.SIDE_ENGINE_POWER
-        side_away, leg_down, fps = ll.SIDE_ENGINE_AWAY / scale, ll.LEG_DOWN / scale, ll.FPS
-        side_height, pose = ll.SIDE_ENGINE_HEIGHT, self.pose
-        if i0 + 1 >= len(self.noise[0]):  # the generators' next draws, continuing each one's stream
-            self.noise = [n + (env.np_random.uniform(-1.0, 1.0, self.BLOCK) / scale).tolist() for n, env in
-                          zip(self.noise, self.envs)]
-        obs, rewards, done = [], [], []
-        for j, a in zip(active.tolist(), actions.tolist()):
-            env = self.envs[j]
-            lander, d0, d1 = env.lander, self.noise[j][i0], self.noise[j][i0 + 1]
-            angle, px, py = pose[j]
-            tip0, tip1 = sin(angle), cos(angle)
-            m_power = s_power = 0.0
-            if a == 2:  # main engine
-                m_power = 1.0
-                ox = tip0 * (main_y + 2 * d0) + (-tip1) * d1
-                oy = -tip1 * (main_y + 2 * d0) - tip0 * d1
-                lander.ApplyLinearImpulse((-ox * main_power * m_power, -oy * main_power * m_power), (px + ox, py + oy),
-                                          True)
-            elif a == 1 or a == 3:  # orientation engines
-                direction, s_power = a - 2, 1.0
-                ox = tip0 * d0 + (-tip1) * (3 * d1 + direction * side_away)
-                oy = -tip1 * d0 - tip0 * (3 * d1 + direction * side_away)
-                lander.ApplyLinearImpulse((-ox * side_power * s_power, -oy * side_power * s_power),
-                                          (px + ox - tip0 * 17 / scale, py + oy + tip1 * side_height / scale), True)
-            env.world.Step(1.0 / fps, 6 * 30, 2 * 30)
-            pos, vel, angle = lander.position, lander.linearVelocity, lander.angle
-            px, py, legs = pos.x, pos.y, env.legs
-            pose[j] = angle, px, py
-            s = ((px - w2) / w2, (py - (env.helipad_y + leg_down)) / h2, vel.x * w2 / fps, vel.y * h2 / fps,
-                 angle, 20.0 * lander.angularVelocity / fps, 1.0 if legs[0].ground_contact else 0.0,
-                 1.0 if legs[1].ground_contact else 0.0)
-            shaping = (-100 * sqrt(s[0] * s[0] + s[1] * s[1]) - 100 * sqrt(s[2] * s[2] + s[3] * s[3]) - 100 * abs(s[4])
-                       + 10 * s[6] + 10 * s[7])
-            reward = shaping - env.prev_shaping
-            env.prev_shaping = shaping
-            reward -= m_power * 0.30
-            reward -= s_power * 0.03
-            term = False
-            if env.game_over or abs(s[0]) >= 1.0:
-                term, reward = True, -100
-            if not lander.awake:
-                term, reward = True, +100
-            obs.append(s)
-            rewards.append(reward)
-            done.append(term)
+        ll, i0 = self.ll, 2 * self.t
+        if i0 + 1 >= self.noise.shape[1]:  # the generators' next draws, continuing each one's stream
+            self.noise = np.concatenate([self.noise, np.stack([env.np_random.uniform(-1.0, 1.0, self.BLOCK) / ll.SCALE
+                                                               for env in self.envs])], 1)
+        out = self.step_direct(active, actions) if self.direct else self.step_each(active, actions)
         self.t += 1
-        return np.array(obs, dtype=np.float32).reshape(-1, 8), np.array(rewards, dtype=np.float64), np.array(done, bool)
+        return out
+
+    def engines(self, angle, px, py, d0, d1, actions):
+        """LunarLander.step's engine impulses (float64, as it computes them) of the firing episodes: their indices
+        into the arguments, the impulses (x, y) and the points (x, y) they apply at."""
+        ll, scale = self.ll, self.ll.SCALE
+        fire = np.flatnonzero((actions >= 1) & (actions <= 3))
+        tip0 = np.array([math.sin(a) for a in angle[fire].tolist()])  # math's, as step(): numpy's may round otherwise
+        tip1 = np.array([math.cos(a) for a in angle[fire].tolist()])
+        d0, d1, main = d0[fire], d1[fire], actions[fire] == 2
+        direction = actions[fire] - 2.0
+        # main engine (action 2): tip (sin, cos), side (-cos, sin), as in step()
+        ox_main = tip0 * (ll.MAIN_ENGINE_Y_LOCATION / scale + 2 * d0) + (-tip1) * d1
+        oy_main = -tip1 * (ll.MAIN_ENGINE_Y_LOCATION / scale + 2 * d0) - tip0 * d1
+        # orientation engines (1, 3)
+        ox_side = tip0 * d0 + (-tip1) * (3 * d1 + direction * ll.SIDE_ENGINE_AWAY / scale)
+        oy_side = -tip1 * d0 - tip0 * (3 * d1 + direction * ll.SIDE_ENGINE_AWAY / scale)
+        ox, oy = np.where(main, ox_main, ox_side), np.where(main, oy_main, oy_side)
+        power = np.where(main, ll.MAIN_ENGINE_POWER, ll.SIDE_ENGINE_POWER)
+        x = np.where(main, px[fire] + ox, px[fire] + ox - tip0 * 17 / scale)
+        y = np.where(main, py[fire] + oy, py[fire] + oy + tip1 * ll.SIDE_ENGINE_HEIGHT / scale)
+        return fire, -ox * power * 1.0, -oy * power * 1.0, x, y  # m_power = s_power = 1
+
+    def step_direct(self, active: np.ndarray, actions: np.ndarray):
+        ll, f, o, i0, fps = self.ll, self.f32, self.off[active], 2 * self.t, self.ll.FPS
+        fire, ix, iy, px, py = self.engines(f[o + self.ANGLE].astype(np.float64), f[o + self.POS].astype(np.float64),
+                                            f[o + self.POS + 1].astype(np.float64), self.noise[active, i0],
+                                            self.noise[active, i0 + 1], actions)
+        if fire.size:  # Box2D takes the impulse and its point as float32
+            k = o[fire]
+            f[k + self.VEL], f[k + self.VEL + 1], f[k + self.SPIN] = self.impulse_velocities(
+                k, ix.astype(np.float32), iy.astype(np.float32), px.astype(np.float32), py.astype(np.float32))
+        flags = []
+        for j in active.tolist():
+            env = self.envs[j]
+            env.world.Step(1.0 / fps, 6 * 30, 2 * 30)
+            flags.append((env.legs[0].ground_contact, env.legs[1].ground_contact, env.game_over))
+        legs0, legs1, game_over = np.array(flags, dtype=bool).reshape(-1, 3).T
+        w2, h2 = ll.VIEWPORT_W / ll.SCALE / 2, ll.VIEWPORT_H / ll.SCALE / 2
+        x, y, vx, vy, angle, spin = (f[o + k].astype(np.float64) for k in (self.POS, self.POS + 1, self.VEL,
+                                                                           self.VEL + 1, self.ANGLE, self.SPIN))
+        s = np.stack([(x - w2) / w2, (y - (self.helipad_y[active] + ll.LEG_DOWN / ll.SCALE)) / h2, vx * w2 / fps,
+                      vy * h2 / fps, angle, 20.0 * spin / fps, legs0.astype(np.float64), legs1.astype(np.float64)], 1)
+        return self.outcome(active, s, actions, game_over, (self.u16[2 * o + 2] & self.AWAKE) != 0)
+
+    @staticmethod
+    def shaping(s: np.ndarray) -> np.ndarray:
+        return (-100 * np.sqrt(s[:, 0] * s[:, 0] + s[:, 1] * s[:, 1]) - 100 * np.sqrt(s[:, 2] * s[:, 2] + s[:, 3] *
+                s[:, 3]) - 100 * np.abs(s[:, 4]) + 10 * s[:, 6] + 10 * s[:, 7])
+
+    def outcome(self, active, s, actions, game_over, awake):
+        """step()'s reward and termination from the new states s [k, 8] (float64)."""
+        shaping = self.shaping(s)
+        reward = shaping - self.prev_shaping[active]
+        self.prev_shaping[active] = shaping
+        reward -= (actions == 2) * 0.30
+        reward -= ((actions == 1) | (actions == 3)) * 0.03
+        crash = game_over | (np.abs(s[:, 0]) >= 1.0)
+        reward = np.where(~awake, 100.0, np.where(crash, -100.0, reward))
+        return s.astype(np.float32), reward, crash | ~awake
+
+    def step_each(self, active: np.ndarray, actions: np.ndarray):
+        """The same step through Box2D's Python interface, one environment at a time."""
+        landers = [self.envs[j].lander for j in active.tolist()]
+        pose = np.array([(b.angle, *b.position) for b in landers], dtype=np.float64).reshape(-1, 3)
+        fire, ix, iy, px, py = self.engines(pose[:, 0], pose[:, 1], pose[:, 2], self.noise[active, 2 * self.t],
+                                            self.noise[active, 2 * self.t + 1], actions)
+        for k, x, y, a, b in zip(fire.tolist(), ix.tolist(), iy.tolist(), px.tolist(), py.tolist()):
+            landers[k].ApplyLinearImpulse((x, y), (a, b), True)
+        for j in active.tolist():
+            self.envs[j].world.Step(1.0 / self.ll.FPS, 6 * 30, 2 * 30)
+        return self.outcome(active, self.states(active), actions, np.array([self.envs[j].game_over for j in active],
+                            bool), np.array([b.awake for b in landers], bool))
+
+    def states(self, active) -> np.ndarray:
+        """step()'s states [k, 8] (float64) of environments `active`, read through Box2D's Python interface."""
+        ll, fps, rows = self.ll, self.ll.FPS, []
+        w2, h2 = ll.VIEWPORT_W / ll.SCALE / 2, ll.VIEWPORT_H / ll.SCALE / 2
+        for j in list(active):
+            env = self.envs[j]
+            b = env.lander
+            pos, vel = b.position, b.linearVelocity
+            rows.append(((pos.x - w2) / w2, (pos.y - (env.helipad_y + ll.LEG_DOWN / ll.SCALE)) / h2, vel.x * w2 / fps,
+                         vel.y * h2 / fps, b.angle, 20.0 * b.angularVelocity / fps,
+                         1.0 if env.legs[0].ground_contact else 0.0, 1.0 if env.legs[1].ground_contact else 0.0))
+        return np.array(rows, dtype=np.float64).reshape(-1, 8)
 
 
 class Simulators:
@@ -1118,7 +1261,10 @@ class Simulators:
     of every copy starts from env.reset(seed=seed + i). CartPole-v1 runs as gymnasium's vectorised CartPole and
     Acrobot-v1 as gymnasium's Acrobot dynamics on arrays (AcrobotVector), their state set to those start states
     (the same dynamics in float64: the same returns), LunarLander-v3 as its gymnasium environments driven by
-    LunarLanderSteps; other tasks as one gymnasium environment per episode."""
+    LunarLanderSteps; other tasks as one gymnasium environment per episode. With one environment per episode, copies
+    of an episode that have taken the same actions so far are in the same state: one of them is simulated for all,
+    and a copy that takes another action gets its own environment then, replayed to that state (members that deploy
+    the same policy, e.g. SPIBB's pi = beta on low-epsilon data, cost one simulation)."""
 
     def __init__(self, env_id: str, copies: int, episodes: int, seed: int):
         self.copies, self.episodes, n = copies, episodes, copies * episodes
@@ -1165,6 +1311,10 @@ class Simulators:
             obs = np.stack([env.reset(seed=self.seed + i % self.episodes)[0] for i, env in enumerate(self.envs)])
             obs = obs.astype(np.float32)
         returns, active, t = np.zeros(n), np.ones(n, dtype=bool), 0
+        # shared[k]: the copy whose environment stands in for copy k (the same episode, the same actions so far)
+        shared, everyone = np.arange(n) % self.episodes, np.arange(n)
+        steps = 0 if self.vector or self.acrobot else self.limit or 1000
+        history = np.zeros((steps, n), dtype=np.int64)  # the actions taken, time step by time step
         while active.any():
             stop_if_interrupted()
             t += 1
@@ -1175,16 +1325,45 @@ class Simulators:
                 obs, reward, term, trunc = (venv.step(actions, active) if self.acrobot else self.venv.step(actions))[:4]
                 returns += reward * active
                 active &= ~(term | trunc)
-            elif self.lunar:
-                j = np.flatnonzero(active)
-                obs[j], reward, term = self.lunar.step(j, actions[j])
-                returns[j] += reward
+                continue
+            self.split(np.flatnonzero(active & (shared != everyone) & (actions != actions[shared])), shared, actions,
+                       history[:t - 1])
+            if t > len(history):  # no time limit: more room
+                history = np.concatenate([history, np.zeros_like(history)])
+            history[t - 1] = actions
+            j, rewards = np.flatnonzero(active & (shared == everyone)), np.zeros(n)
+            if self.lunar:
+                obs[j], rewards[j], term = self.lunar.step(j, actions[j])
                 active[j] = ~term & (t != self.limit)
             else:
-                for j in np.flatnonzero(active):
-                    o, r, term, trunc, _ = self.steppers[j](int(actions[j]))
-                    obs[j], returns[j], active[j] = o, returns[j] + r, not (term or trunc or t == self.limit)
+                for k in j:
+                    o, rewards[k], term, trunc, _ = self.steppers[k](int(actions[k]))
+                    obs[k], active[k] = o, not (term or trunc or t == self.limit)
+            copies = np.flatnonzero(shared != everyone)  # the same step as the copy they follow
+            obs[copies], rewards[copies], active[copies] = obs[shared[copies]], rewards[shared[copies]], active[
+                shared[copies]] & active[copies]
+            returns += rewards
         return returns.reshape(self.copies, self.episodes)
+
+    def split(self, ks: np.ndarray, shared: np.ndarray, actions: np.ndarray, history: np.ndarray) -> None:
+        """Copies ks leave the copy they follow (their action differs from its): the first of each (copy followed,
+        action) gets its own environment, replayed through the actions taken so far (history [steps, copies]), and
+        the others follow it."""
+        if not len(ks):
+            return
+        heads = {}
+        for k in ks.tolist():
+            shared[k] = heads.setdefault((int(shared[k]), int(actions[k])), k)
+        heads = np.array(list(heads.values()))
+        past = history[:, heads]
+        seeds = [self.seed + int(k) % self.episodes for k in heads]
+        if self.lunar:
+            self.lunar.replay(heads, seeds, past)
+        else:
+            for k, seed, done in zip(heads.tolist(), seeds, past.T):
+                self.envs[k].reset(seed=seed)
+                for a in done.tolist():
+                    self.steppers[k](a)
 
 
 class Minibatch:

@@ -235,6 +235,53 @@ def test_batched_evaluation_scores_what_one_simulator_per_episode_scores(env_id)
             assert got[m, i] == total, (m, i)
 
 
+@pytest.mark.parametrize("env_id", ["LunarLander-v3", "MountainCar-v0"])
+def test_copies_taking_the_same_actions_are_simulated_once(env_id, monkeypatch):
+    """Copies of an episode whose policies agree share one simulation: here copies 0 and 1 follow the same policy
+    (a stochastic one, through the shared noise u) and copy 2 that policy for its first 25 steps, then another. The
+    returns are the plain loop's for every copy, and copy 1 costs no step of its own; copy 2 is replayed."""
+    env = gym.make(env_id)
+    dim, n_actions = env.observation_space.shape[0], env.action_space.n
+    w = torch.randn(2, dim, n_actions, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    calls = [0]
+
+    def policy(obs, u, m):  # softmax of a linear score, sampled at u (the same u for every copy)
+        return int((torch.softmax(obs.double() @ w[m], -1).cumsum(-1) < u).sum().clamp_max(n_actions - 1))
+
+    def act(obs, u):
+        calls[0] += 1
+        return torch.tensor([[policy(obs[c, i], u[i], int(c == 2 and calls[0] > 25)) for i in range(obs.shape[1])]
+                             for c in range(3)])
+
+    stepped, sims = [0], common.Simulators(env_id, 3, 4, 321)
+    if sims.lunar:
+        step = sims.lunar.step
+        monkeypatch.setattr(sims.lunar, "step", lambda j, a: (stepped.__setitem__(0, stepped[0] + len(j)), step(j, a))[1])
+    else:
+        sims.steppers = [(lambda f: lambda a: (stepped.__setitem__(0, stepped[0] + 1), f(a))[1])(f) for f in sims.steppers]
+    got = sims.run(act, 7)
+    generator, lengths = torch.Generator().manual_seed(7), np.zeros((3, 4), dtype=int)
+    us = torch.stack([torch.rand(4, generator=generator) for _ in range(1000)])
+    for c in range(3):
+        for i in range(4):
+            obs, _ = env.reset(seed=321 + i)
+            total, done, t = 0.0, False, 0
+            while not done:
+                m = int(c == 2 and t >= 25)
+                obs, r, term, trunc, _ = env.step(policy(torch.as_tensor(obs, dtype=torch.float32), us[t, i], m))
+                total, done, t = total + r, term or trunc, t + 1
+            assert got[c, i] == total, (c, i)
+            lengths[c, i] = t
+    # copy 0 is stepped for all three, copy 1 never, copy 2 from where it first acts otherwise (the steps replayed up
+    # to there go through the steppers, but not through LunarLanderSteps.step)
+    assert (lengths[2] > 25).all()
+    if sims.lunar:
+        assert sims.lunar.direct and not (got[2] == got[0]).all()
+        assert lengths[0].sum() < stepped[0] <= lengths[0].sum() + lengths[2].sum() - 25 * 4
+    else:
+        assert stepped[0] == lengths[0].sum() + lengths[2].sum()
+
+
 def test_member_behavior_is_each_members_behavior_policy():
     """MemberBehavior gives each member its own beta: with one forward for all members when their epsilon-greedy
     betas share a network (a task's datasets), with one per dataset otherwise (a softmax beta among them)."""
@@ -278,16 +325,19 @@ def test_acrobot_on_arrays_is_gymnasiums_acrobot():
         assert (ended > n // 2) == swing  # swinging up ends most episodes early
 
 
-def test_lunar_lander_steps_are_gymnasiums_lunar_lander():
+@pytest.mark.parametrize("direct", [True, False])
+def test_lunar_lander_steps_are_gymnasiums_lunar_lander(direct):
     """LunarLanderSteps follows n gymnasium LunarLander-v3 environments bit for bit (observations, rewards,
     terminations) under random actions, which fire all three engines and end episodes by crashing, flying off and
-    (the heuristic controller's share) coming to rest."""
+    (the heuristic controller's share) coming to rest: reading and writing the landers' b2Body structs directly
+    (this Box2D build's layout is the one checked) and through Box2D's Python interface."""
     from gymnasium.envs.box2d.lunar_lander import heuristic
     n = 24
     envs, fast = [gym.make("LunarLander-v3") for _ in range(n)], common.LunarLanderSteps(
-        [gym.make("LunarLander-v3") for _ in range(n)])
+        [gym.make("LunarLander-v3") for _ in range(n)], direct=direct)
     fast.BLOCK = 6  # the dispersion stream continued block after block, many times per episode
     obs = fast.reset([5 + i for i in range(n)])
+    assert fast.direct == direct, "the b2Body layout check failed on this Box2D build: the direct path is off"
     for i, env in enumerate(envs):
         assert np.array_equal(env.reset(seed=5 + i)[0], obs[i])
     rng, active, ends, fired = np.random.default_rng(0), np.ones(n, bool), set(), set()
@@ -306,6 +356,21 @@ def test_lunar_lander_steps_are_gymnasiums_lunar_lander():
                 active[i] = False
                 ends.add(r_ref)
     assert fired == {0, 1, 2, 3} and {-100, 100} <= ends
+
+
+def test_lunar_lander_steps_check_the_b2body_layout(monkeypatch):
+    """A b2Body layout that is not the one assumed (here: the angular velocity one word off) is caught by the check at
+    reset, and the steps go through Box2D's Python interface, with gymnasium's numbers."""
+    monkeypatch.setattr(common.LunarLanderSteps, "SPIN", common.LunarLanderSteps.SPIN + 1)
+    env, fast = gym.make("LunarLander-v3"), common.LunarLanderSteps([gym.make("LunarLander-v3")])
+    obs = fast.reset([3])
+    assert not fast.direct and np.array_equal(obs[0], env.reset(seed=3)[0])
+    for t in range(50):
+        o, reward, term = fast.step(np.array([0]), np.array([2 if t % 3 else 1]))
+        o_ref, r_ref, t_ref, _, _ = env.step(2 if t % 3 else 1)
+        assert np.array_equal(o[0], o_ref) and reward[0] == r_ref and term[0] == t_ref
+        if t_ref:
+            break
 
 
 def test_sparse_curve_keeps_the_final_score_and_the_grid_accepts_it(datasets, tmp_path):
