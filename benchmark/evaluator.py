@@ -1,11 +1,14 @@
 """Speed of the batched evaluator (common.Simulators) against the plain loop it replaced, measured side by side.
 
 Both run the same evaluation: `copies` x `episodes` episodes of a task, episode i starting from
-env.reset(seed=eval_seed + i), the actions the greedy policy of a dataset's behaviour network, one batched forward
-per time step. The plain loop steps one gymnasium environment per episode through the wrappers gym.make adds;
-Simulators uses the task's fast path (vectorised CartPole, Acrobot on arrays, LunarLanderSteps) and, for
-comparison, gymnasium's environments stepped without their wrappers. Every path must give the same returns (checked
-here); the ratios of environment steps per second to the plain loop's are printed, best of --repeats alternated runs.
+env.reset(seed=eval_seed + i), one batched forward per time step. Copy c acts like the greedy policy of a dataset's
+behaviour network but takes the next action where the time step's uniform u < 0.02 c (distinct policies that share
+stretches of their episodes, as members do; --identical-copies: all greedy, as SPIBB's members on low-epsilon data,
+which Simulators simulates once). The plain loop steps one gymnasium environment per episode through the wrappers
+gym.make adds; Simulators uses the task's fast path (vectorised CartPole, Acrobot on arrays, LunarLanderSteps) and, for
+comparison, gymnasium's environments stepped without their wrappers and, on LunarLander, LunarLanderSteps through Box2D's
+Python interface. Every path must give the same returns (checked here); the ratios of environment steps per second to
+the plain loop's are printed, best of --repeats alternated runs.
 
     python benchmark/evaluator.py --env-id LunarLander-v3            # needs datasets/LunarLander-v3_eps0.15.npz
 """
@@ -39,16 +42,20 @@ class Args:
     repeats: int = 3
     """alternated measurements of each path; the best is kept"""
     eval_seed: int = 10_000
+    identical_copies: bool = False
+    """every copy the same greedy policy"""
 
 
 def plain_loop(env_id, act, copies, episodes, seed):
     """The evaluator before Simulators: one gymnasium environment per episode, gym.make's wrappers, still one
-    batched forward per time step."""
+    batched forward per time step (its uniforms drawn as Simulators.run draws them)."""
     envs = [common.make_env(env_id) for _ in range(copies * episodes)]
     obs = np.stack([e.reset(seed=seed + i % episodes)[0] for i, e in enumerate(envs)]).astype(np.float32)
     returns, active, steps = np.zeros(len(envs)), np.ones(len(envs), bool), 0
+    generator = torch.Generator().manual_seed(0)
     while active.any():
-        actions = act(torch.from_numpy(obs).view(copies, episodes, -1), None).reshape(-1).numpy()
+        u = torch.rand(episodes, generator=generator)
+        actions = act(torch.from_numpy(obs).view(copies, episodes, -1), u).reshape(-1).numpy()
         for j in np.flatnonzero(active):
             o, r, term, trunc, _ = envs[j].step(int(actions[j]))
             obs[j], returns[j], active[j] = o, returns[j] + r, not (term or trunc)
@@ -65,18 +72,26 @@ def main(args: Args) -> None:
                    f"{args.epsilon:g}")
     with np.load(path, allow_pickle=False) as f:
         beta = common.behavior_policy({k: f[k] for k in f.files})
-    act = lambda obs, u: beta(obs.reshape(-1, obs.shape[-1])).argmax(-1).view(obs.shape[:-1])  # noqa: E731
+    rate = torch.zeros(args.copies, 1) if args.identical_copies else 0.02 * torch.arange(args.copies)[:, None]
 
-    def simulators(wrapperless_gymnasium: bool):
+    def act(obs, u):
+        greedy = beta(obs.reshape(-1, obs.shape[-1])).argmax(-1).view(obs.shape[:-1])
+        return torch.where(u < rate, (greedy + 1) % beta.layers[-1][1].shape[0], greedy)
+
+    def simulators(path: str):
         sims = common.Simulators(args.env_id, args.copies, args.episodes, args.eval_seed)
-        if wrapperless_gymnasium:  # the generic path: gymnasium's environments stepped without their wrappers
+        if path == "gymnasium":  # the generic path: gymnasium's environments stepped without their wrappers
             sims.lunar = None
+        if path == "interface":
+            sims.lunar.allow_direct = False
         return lambda: (sims.run(act, 0), None)
 
     paths = {"plain loop": lambda: plain_loop(args.env_id, act, args.copies, args.episodes, args.eval_seed)}
     if args.env_id not in ("CartPole-v1", "Acrobot-v1"):  # those two have no per-episode gymnasium path
-        paths["Simulators, gymnasium environments"] = simulators(True)
-    paths["Simulators"] = simulators(False)
+        paths["Simulators, gymnasium environments"] = simulators("gymnasium")
+    if args.env_id == "LunarLander-v3":
+        paths["Simulators, Box2D's Python interface"] = simulators("interface")
+    paths["Simulators"] = simulators("")
     best, reference, n_steps = {}, None, None
     for _ in range(args.repeats):
         for name, run in paths.items():
