@@ -22,7 +22,8 @@ the ratio test is done in log space, logit - max logit >= log tau (the same test
 without exp or a 0/0); and the shared settings are the BRPO paper's (appendix
 "Hyperparameters"): Adam lr 1e-3, batch 64, gamma 0.99, soft target update tau = 0.5 every 500
 updates (their non-Atari defaults: Adam lr 3e-4, batch 64, polyak 0.005 after every update).
-Evaluation is fully greedy, like their non-Atari setting (eval_eps = 0).
+Evaluation is fully greedy, like their non-Atari setting (eval_eps = 0). The loss's gradient is written by hand
+(loss_gradient, then Stack.backward): autograd's numbers bit for bit, without building its graph at every update.
 
     python bcq_discrete.py --env-id CartPole-v1 --epsilon 0.15
 """
@@ -113,6 +114,33 @@ def bcq_target(network: common.Stack, target_q_network: common.Stack, next_obs: 
     return rewards + gamma * target_q * not_done, allowed
 
 
+def losses(q_all: torch.Tensor, logits: torch.Tensor, batch_actions: torch.Tensor, td_target: torch.Tensor,
+           td_loss_of) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The three terms of each member's loss [M], each a mean over its minibatch: the TD loss (td_loss_of: Huber's
+    or the squared error), the imitation NLL and the logit penalty (weighted 0.01 in the sum)."""
+    td = td_loss_of(q_all.gather(-1, batch_actions).squeeze(-1), td_target)
+    imitation = -torch.log_softmax(logits, -1).gather(-1, batch_actions).mean((1, 2))
+    return td, imitation, logits.pow(2).mean((1, 2))
+
+
+def loss_gradient(q_all: torch.Tensor, logits: torch.Tensor, batch_actions: torch.Tensor, td_target: torch.Tensor,
+                  huber_delta: torch.Tensor) -> torch.Tensor:
+    """The gradient of the members' summed loss (losses(): td + imitation + 0.01 penalty) with respect to the towers'
+    outputs, written by hand so that no autograd graph is built each update: autograd's numbers bit for bit (tested).
+    q_all, logits [M, B, |A|]; returns [2M, B, |A|], laid out like the networks (Q_1, G_1, Q_2, ...)."""
+    n = q_all.shape[1]
+    e = q_all.gather(-1, batch_actions).squeeze(-1) - td_target
+    # Huber's derivative (e within +-delta, delta sign(e) beyond) or the squared error's (2e, delta 0), over B
+    de = torch.where(huber_delta > 0, torch.where(e.abs() < huber_delta, e, huber_delta * e.sign()), 2 * e) / n
+    g_q = torch.zeros_like(q_all).scatter_(-1, batch_actions, de.unsqueeze(-1))
+    # NLL: (softmax - onehot) / B, through log-softmax's own backward; penalty: 0.01 * 2 logits / (B |A|)
+    log_g = torch.log_softmax(logits, -1)
+    nll = torch.zeros_like(log_g).scatter_(-1, batch_actions, -1.0 / n)
+    per_logit = float(torch.tensor(0.01) / logits[0].numel())  # rounded as autograd rounds it: in float32
+    g_logits = torch._log_softmax_backward_data(nll, log_g, -1, log_g.dtype) + per_logit * (2 * logits)
+    return torch.stack([g_q, g_logits], 1).flatten(0, 1)
+
+
 def greedy_policy(network: common.Stack, log_tau):
     """BCQ's policy: the highest-Q action among the allowed ones; act(obs [M, E, dim], u) -> [M, E]."""
     def act(obs: torch.Tensor, u=None) -> torch.Tensor:
@@ -184,7 +212,8 @@ def train(runs: common.Members) -> None:
     gamma, log_tau = runs.column("gamma"), runs.column("bcq_threshold").log()[..., None]  # log 0 = -inf: all allowed
     pair = lambda x: x.repeat_interleave(2, 0)  # noqa: E731  (a member's value for both of its towers)
     tau, period = pair(runs.column("tau")), pair(runs.column("target_update_frequency", torch.long))
-    td_loss_of = common.td_loss(runs.column("huber_delta"))  # Huber's (delta 1: F.smooth_l1_loss) or the squared error
+    huber_delta = runs.column("huber_delta")
+    td_loss_of = common.td_loss(huber_delta)  # Huber's (delta 1: F.smooth_l1_loss) or the squared error
 
     build = lambda: [QNetwork(runs.obs_dim, runs.n_actions).net, QNetwork(runs.obs_dim, runs.n_actions).net]  # noqa
     network = common.Stack([net for nets in zip(*runs.build(build)) for net in nets])  # Q_1, G_1, Q_2, G_2, ...
@@ -200,19 +229,17 @@ def train(runs: common.Members) -> None:
         with torch.no_grad():
             td_target, next_allowed = bcq_target(network, target_q_network, rows[..., NEXT_S], rows[..., R],
                                                  rows[..., NOT_DONE], gamma, log_tau)
-        q_all, logits = towers(network, rows[..., S])
-        q = q_all.gather(-1, batch_actions).squeeze(-1)
-        td_loss = td_loss_of(q, td_target)  # [M]: per member
-        imitation_loss = -torch.log_softmax(logits, -1).gather(-1, batch_actions).mean((1, 2))
-        logit_penalty = logits.pow(2).mean((1, 2))
-        loss = td_loss + imitation_loss + 0.01 * logit_penalty
-        loss.sum().backward()
-        optimizer.step()
+        out = network.forward_saved(rows[..., S].repeat_interleave(2, 0)).unflatten(0, (-1, 2))
+        q_all, logits = out[:, 0], out[:, 1]
+        optimizer.step(network.backward(loss_gradient(q_all, logits, batch_actions, td_target, huber_delta)))
         common.soft_update(step, target_network, network, period, tau)
 
-        runs.log(step, lambda: {"losses/td_loss": td_loss, "losses/q_values": q.mean(1), "losses/imitation_loss": imitation_loss,
-                        "losses/logit_penalty": logit_penalty,
-                        "losses/allowed_fraction": next_allowed.float().mean((1, 2))})
+        def scalars():  # the losses themselves are computed only on the updates that log them
+            td_loss, imitation_loss, logit_penalty = losses(q_all, logits, batch_actions, td_target, td_loss_of)
+            return {"losses/td_loss": td_loss, "losses/q_values": q_all.gather(-1, batch_actions).mean((1, 2)),
+                    "losses/imitation_loss": imitation_loss, "losses/logit_penalty": logit_penalty,
+                    "losses/allowed_fraction": next_allowed.float().mean((1, 2))}
+        runs.log(step, scalars)
         if runs.due(step):
             runs.evaluate(step, [network], act, greedy_probs(act), critic(network))
 

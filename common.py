@@ -770,6 +770,7 @@ class Stack:
         self.flat = torch.stack([torch.cat([t for m in ls for t in (m.weight.detach().T.reshape(-1), m.bias.detach())])
                                  for ls in linear])
         self.layers = self._views(trainable=True)
+        self.plain = self._views()  # the same weights outside autograd (forward_saved)
 
     def _views(self, trainable: bool = False) -> list:
         """The layers as views of flat, made once. Trainable: each view is a leaf of autograd (flat itself is not),
@@ -792,11 +793,39 @@ class Stack:
         return grads
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        for i, (w, b) in enumerate(self.layers):
+        layers = self.layers if torch.is_grad_enabled() else self.plain  # the same weights; no autograd bookkeeping
+        for i, (w, b) in enumerate(layers):
             x = torch.baddbmm(b, x, w)
-            if i < len(self.layers) - 1:
+            if i < len(layers) - 1:
                 x = x.relu_()  # in place: baddbmm keeps no output for its backward
         return self.output(x) if self.output else x
+
+    def forward_saved(self, x: torch.Tensor) -> torch.Tensor:
+        """__call__ outside autograd, keeping the input and the hidden layers' outputs for backward(): for a loss whose
+        gradient with respect to the output is written by hand (bcq_discrete.py), which skips building and walking
+        autograd's graph of the loss."""
+        if self.output:
+            raise ValueError("Stack.backward does not differentiate the output function; use autograd")
+        self.saved = [x]
+        with torch.no_grad():
+            for i, (w, b) in enumerate(self.plain):
+                x = torch.baddbmm(b, x, w)
+                if i < len(self.plain) - 1:
+                    self.saved.append(x.relu_())
+        return x
+
+    def backward(self, g: torch.Tensor) -> torch.Tensor:
+        """The gradient [K, P], laid out like flat, of a loss whose gradient with respect to the last forward_saved()
+        output is g [K, B, out]: the operations autograd runs for __call__'s backward (baddbmm's and ReLU's), so the
+        same numbers bit for bit (tested)."""
+        grads = []
+        for i in reversed(range(len(self.plain))):
+            x = self.saved[i]
+            grads[:0] = [x.transpose(1, 2).bmm(g).flatten(1), g.sum(1, keepdim=True).flatten(1)]
+            if i:
+                g = torch.ops.aten.threshold_backward(g.bmm(self.plain[i][0].transpose(1, 2)), x, 0)
+        self.saved = None
+        return torch.cat(grads, 1)
 
     def copy(self) -> "Stack":
         """A target network: the same weights, no gradient."""
@@ -806,14 +835,14 @@ class Stack:
         """A copy of networks ks (no gradient), e.g. one member's networks for its final diagnostics."""
         copy = object.__new__(Stack)
         copy.sizes, copy.flat, copy.output = self.sizes, self.flat[ks].clone(), self.output
-        copy.layers = copy._views()
+        copy.layers = copy.plain = copy._views()
         return copy
 
     def part(self, ks: slice) -> "Stack":
         """Networks ks sharing this Stack's weights (a view, no gradient), e.g. the Q towers of a target network."""
         view = object.__new__(Stack)
         view.sizes, view.flat, view.output = self.sizes, self.flat[ks], self.output
-        view.layers = view._views()
+        view.layers = view.plain = view._views()
         return view
 
     def state_dict(self, k: int, prefix: str = "") -> dict:
@@ -823,6 +852,9 @@ class Stack:
             out[f"{prefix}{2 * i}.weight"] = w[k].detach().T.clone()
             out[f"{prefix}{2 * i}.bias"] = b[k, 0].detach().clone()
         return out
+
+
+TINY = torch.finfo(torch.float32).tiny  # the smallest normal float32, 2^-126
 
 
 class Adam:
@@ -837,6 +869,12 @@ class Adam:
         """One update with the gradient g [K, P] (default: the stack's, from the last backward)."""
         g, self.t = self.stack.gradient() if g is None else g, self.t + 1
         self.m.lerp_(g, 0.1)
+        # m of a parameter whose gradient is 0 decays into subnormal numbers and stays at the smallest one (0.9 times it
+        # rounds back up to it), on which every later update's arithmetic is many times slower. Flushing |m| < 2^-126
+        # to 0 changes a step by under lr * 1.2e-29 (1 / (1 - 0.9^t) <= 10, denom >= 1e-8): no bit of any weight
+        # with |w| > lr * 2e-22. Every 100 updates, as the flush costs about what an update's subnormals cost.
+        if self.t % 100 == 0:
+            self.m.masked_fill_(self.m.abs() < TINY, 0.0)
         self.v.mul_(0.999).addcmul_(g, g, value=0.001)
         # v of a parameter whose gradient is 0 (a dead ReLU unit) decays to 0 through subnormals, on which sqrt is
         # 5-30x slower. Below 1e-36, sqrt(v) / sqrt(1 - 0.999^t) < 4e-17 vanishes when 1e-8 is added (half an ulp of

@@ -129,6 +129,31 @@ def test_bcq_acts_and_bootstraps_only_on_allowed_actions(bcq):
         assert (y[rows] != naive[rows]).all()
 
 
+@pytest.mark.parametrize("deltas", [(1.0, 1.0, 1.0), (0.0, 0.0, 0.0), (1.0, 0.0, 0.3)])
+def test_bcq_hand_written_gradient_is_autograds(bcq, deltas):
+    """loss_gradient, bcq_discrete.py's gradient of the summed loss with respect to the towers' outputs, equals
+    autograd's of losses() exactly, for Huber's TD loss, the squared error, and members mixing them; and through
+    Stack.backward, the networks' gradient."""
+    torch.manual_seed(0)
+    M, B, A = 3, 64, 3
+    net = bcq.common.Stack([bcq.QNetwork(4, A).net for _ in range(2 * M)])
+    delta = torch.tensor(deltas)[:, None]
+    td_loss_of = bcq.common.td_loss(delta)
+    obs, actions = torch.randn(M, B, 4), torch.randint(A, (M, B, 1))
+    q_all, logits = bcq.towers(net, obs)
+    td_target = q_all.detach().gather(-1, actions).squeeze(-1) + torch.randn(M, B) * 2  # errors within and beyond 1
+    out = net(obs.repeat_interleave(2, 0))
+    out.retain_grad()
+    q_all, logits = out.unflatten(0, (-1, 2))[:, 0], out.unflatten(0, (-1, 2))[:, 1]
+    td, imitation, penalty = bcq.losses(q_all, logits, actions, td_target, td_loss_of)
+    (td + imitation + 0.01 * penalty).sum().backward()
+    by_hand = bcq.loss_gradient(q_all.detach(), logits.detach(), actions, td_target, delta)
+    assert torch.equal(by_hand, out.grad)
+    expected = net.gradient()
+    net.forward_saved(obs.repeat_interleave(2, 0))
+    assert torch.equal(net.backward(by_hand), expected)
+
+
 def test_bcq_networks_are_two_independent_towers(bcq):
     torch.manual_seed(1)
     q_net, g_net = bcq.QNetwork(4, 2), bcq.QNetwork(4, 2)

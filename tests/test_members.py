@@ -97,24 +97,46 @@ def test_minibatches_and_initial_weights_are_the_single_runs():
 
 
 def test_adams_floor_under_sqrt_changes_no_bit():
-    """Adam floors v at 1e-36 before its sqrt (subnormals are slow): the update equals the unfloored formula exactly,
-    for v holding zeros, subnormals and normal values, at the first and a late step."""
+    """Adam floors v at 1e-36 before its sqrt and flushes subnormal m to 0 (subnormals are slow): the update equals
+    the unfloored, unflushed formula exactly, for v and m holding zeros, subnormals and normal values, at the first
+    step, an early and a late one; no subnormal m is left after a flush (every 100 updates)."""
     torch.manual_seed(0)
     stack = common.Stack([torch.nn.Sequential(torch.nn.Linear(20, 30)) for _ in range(2)])
     adam = common.Adam(stack, torch.tensor([[1e-3], [3e-2]]))
-    for t in (0, 99_999):
+    for t in (0, 99, 99_999):
         adam.t = t
         adam.v = torch.rand_like(stack.flat) * torch.logspace(-45, 0, stack.flat.shape[1])  # zeros to 1
         adam.v[:, :50] = 0.0
         adam.m = torch.randn_like(stack.flat) * 1e-3
+        adam.m[:, 50:150] = torch.randn(2, 100) * 1e-39  # m of dead units, decayed into subnormals
         g = torch.randn_like(stack.flat) * torch.logspace(-30, 0, stack.flat.shape[1])
+        g[:, 50:150] = 0.0
         m = adam.m.lerp(g, 0.1)
         v = adam.v.mul(0.999).addcmul(g, g, value=0.001)
         assert (v < torch.finfo(torch.float32).tiny).float().mean() > 0.1  # the case this is about
         denom = (v.sqrt() / math.sqrt(1.0 - 0.999 ** (t + 1))).add_(1e-8)
         expected = stack.flat.addcdiv(m * (adam.lr / (1.0 - 0.9 ** (t + 1))), denom, value=-1.0)
+        assert ((m != 0) & (m.abs() < torch.finfo(torch.float32).tiny)).sum() > 100
         adam.step(g)
         assert torch.equal(stack.flat, expected)
+        assert ((adam.m != 0) & (adam.m.abs() < torch.finfo(torch.float32).tiny)).any() == (t == 0)
+
+
+def test_stacks_backward_is_autograds_bit_for_bit():
+    """Stack.backward(g) after forward_saved(x) is the gradient autograd gives __call__'s output for the loss
+    sum(out * g), exactly, with dead ReLU units and several networks."""
+    torch.manual_seed(0)
+    stack = common.Stack([torch.nn.Sequential(torch.nn.Linear(5, 32), torch.nn.ReLU(), torch.nn.Linear(32, 16),
+                                              torch.nn.ReLU(), torch.nn.Linear(16, 3)) for _ in range(4)])
+    for _ in range(3):
+        x, g = torch.randn(4, 64, 5), torch.randn(4, 64, 3)
+        (stack(x) * g).sum().backward()
+        expected = stack.gradient()
+        out = stack.forward_saved(x)
+        assert torch.equal(out, stack(x).detach())
+        assert (stack.saved[1] == 0).float().mean() > 0.2  # dead units: ReLU's backward matters
+        assert torch.equal(stack.backward(g), expected)
+        stack.flat.add_(0.1 * torch.randn_like(stack.flat))  # the views see the new weights
 
 
 def test_adam_is_torch_adam_per_member():
