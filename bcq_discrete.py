@@ -123,22 +123,27 @@ def losses(q_all: torch.Tensor, logits: torch.Tensor, batch_actions: torch.Tenso
     return td, imitation, logits.pow(2).mean((1, 2))
 
 
-def loss_gradient(q_all: torch.Tensor, logits: torch.Tensor, batch_actions: torch.Tensor, td_target: torch.Tensor,
-                  huber_delta: torch.Tensor) -> torch.Tensor:
+def loss_gradient(huber_delta: torch.Tensor, batch_size: int, n_actions: int):
     """The gradient of the members' summed loss (losses(): td + imitation + 0.01 penalty) with respect to the towers'
     outputs, written by hand so that no autograd graph is built each update: autograd's numbers bit for bit (tested).
-    q_all, logits [M, B, |A|]; returns [2M, B, |A|], laid out like the networks (Q_1, G_1, Q_2, ...)."""
-    n = q_all.shape[1]
-    e = q_all.gather(-1, batch_actions).squeeze(-1) - td_target
-    # Huber's derivative (e within +-delta, delta sign(e) beyond) or the squared error's (2e, delta 0), over B
-    de = torch.where(huber_delta > 0, torch.where(e.abs() < huber_delta, e, huber_delta * e.sign()), 2 * e) / n
-    g_q = torch.zeros_like(q_all).scatter_(-1, batch_actions, de.unsqueeze(-1))
-    # NLL: (softmax - onehot) / B, through log-softmax's own backward; penalty: 0.01 * 2 logits / (B |A|)
-    log_g = torch.log_softmax(logits, -1)
-    nll = torch.zeros_like(log_g).scatter_(-1, batch_actions, -1.0 / n)
-    per_logit = float(torch.tensor(0.01) / logits[0].numel())  # rounded as autograd rounds it: in float32
-    g_logits = torch._log_softmax_backward_data(nll, log_g, -1, log_g.dtype) + per_logit * (2 * logits)
-    return torch.stack([g_q, g_logits], 1).flatten(0, 1)
+    Returns grad(q_all, logits [M, B, |A|], batch_actions, td_target) -> [2M, B, |A|], laid out like the networks
+    (Q_1, G_1, Q_2, ...)."""
+    squared = huber_delta <= 0 if bool((huber_delta <= 0).any()) else None  # decided once: members on the squared error
+    per_logit = float(torch.tensor(0.01) / (batch_size * n_actions))  # the penalty's, rounded in float32 as autograd's
+
+    def grad(q_all: torch.Tensor, logits: torch.Tensor, batch_actions: torch.Tensor, td_target: torch.Tensor):
+        e = q_all.gather(-1, batch_actions).squeeze(-1) - td_target
+        de = e.clamp(-huber_delta, huber_delta)  # Huber's derivative: e within +-delta, delta sign(e) beyond
+        de = (de if squared is None else torch.where(squared, 2 * e, de)) / batch_size  # the squared error's: 2e
+        out = torch.zeros(len(q_all), 2, batch_size, n_actions)
+        out[:, 0].scatter_(-1, batch_actions, de.unsqueeze(-1))
+        # NLL: (softmax - onehot) / B, through log-softmax's own backward; penalty: 0.01 * 2 logits / (B |A|)
+        log_g = torch.log_softmax(logits, -1)
+        nll = torch.zeros_like(log_g).scatter_(-1, batch_actions, -1.0 / batch_size)
+        nll = torch._log_softmax_backward_data(nll, log_g, -1, log_g.dtype)
+        torch.add(nll, per_logit * (2 * logits), out=out[:, 1])
+        return out.flatten(0, 1)
+    return grad
 
 
 def greedy_policy(network: common.Stack, log_tau):
@@ -214,6 +219,7 @@ def train(runs: common.Members) -> None:
     tau, period = pair(runs.column("tau")), pair(runs.column("target_update_frequency", torch.long))
     huber_delta = runs.column("huber_delta")
     td_loss_of = common.td_loss(huber_delta)  # Huber's (delta 1: F.smooth_l1_loss) or the squared error
+    gradient = loss_gradient(huber_delta, runs.first.batch_size, runs.n_actions)  # of the loss these terms sum to
 
     build = lambda: [QNetwork(runs.obs_dim, runs.n_actions).net, QNetwork(runs.obs_dim, runs.n_actions).net]  # noqa
     network = common.Stack([net for nets in zip(*runs.build(build)) for net in nets])  # Q_1, G_1, Q_2, G_2, ...
@@ -231,7 +237,7 @@ def train(runs: common.Members) -> None:
                                                  rows[..., NOT_DONE], gamma, log_tau)
         out = network.forward_saved(rows[..., S].repeat_interleave(2, 0)).unflatten(0, (-1, 2))
         q_all, logits = out[:, 0], out[:, 1]
-        optimizer.step(network.backward(loss_gradient(q_all, logits, batch_actions, td_target, huber_delta)))
+        optimizer.step(network.backward(gradient(q_all, logits, batch_actions, td_target)))
         common.soft_update(step, target_network, network, period, tau)
 
         def scalars():  # the losses themselves are computed only on the updates that log them

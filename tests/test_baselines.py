@@ -147,7 +147,7 @@ def test_bcq_hand_written_gradient_is_autograds(bcq, deltas):
     q_all, logits = out.unflatten(0, (-1, 2))[:, 0], out.unflatten(0, (-1, 2))[:, 1]
     td, imitation, penalty = bcq.losses(q_all, logits, actions, td_target, td_loss_of)
     (td + imitation + 0.01 * penalty).sum().backward()
-    by_hand = bcq.loss_gradient(q_all.detach(), logits.detach(), actions, td_target, delta)
+    by_hand = bcq.loss_gradient(delta, B, A)(q_all.detach(), logits.detach(), actions, td_target)
     assert torch.equal(by_hand, out.grad)
     expected = net.gradient()
     net.forward_saved(obs.repeat_interleave(2, 0))
