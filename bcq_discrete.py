@@ -140,8 +140,8 @@ def loss_gradient(huber_delta: torch.Tensor, batch_size: int, n_actions: int):
         # NLL: (softmax - onehot) / B, through log-softmax's own backward; penalty: 0.01 * 2 logits / (B |A|)
         log_g = torch.log_softmax(logits, -1)
         nll = torch.zeros_like(log_g).scatter_(-1, batch_actions, -1.0 / batch_size)
-        nll = torch._log_softmax_backward_data(nll, log_g, -1, log_g.dtype)
-        torch.add(nll, per_logit * (2 * logits), out=out[:, 1])
+        g_logits = torch._log_softmax_backward_data(nll, log_g, -1, log_g.dtype)
+        torch.add(g_logits, per_logit * (2 * logits), out=out[:, 1])
         return out.flatten(0, 1)
     return grad
 
