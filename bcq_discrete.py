@@ -74,11 +74,12 @@ class QNetwork(nn.Module):
         return self.net(x)
 
 
-def towers(network: common.Stack, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def towers(network: common.Stack, x: torch.Tensor, keep: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """The Q-network and the imitation network G: two separate FC(32)-FC(16) networks per member (nothing shared,
     like the authors' FC_Q), stored as networks 2m (Q) and 2m + 1 (G) of one Stack, so one batched matmul runs a
-    layer of both. x [M, B, dim] -> (Q-values [M, B, |A|], imitation logits [M, B, |A|])."""
-    out = network(x.repeat_interleave(2, 0)).unflatten(0, (-1, 2))
+    layer of both. x [M, B, dim] -> (Q-values [M, B, |A|], imitation logits [M, B, |A|]). keep: outside autograd,
+    keeping what Stack.backward needs (the training update, whose gradient loss_gradient writes by hand)."""
+    out = (network.forward_saved if keep else network)(x.repeat_interleave(2, 0)).unflatten(0, (-1, 2))
     return out[:, 0], out[:, 1]
 
 
@@ -235,8 +236,7 @@ def train(runs: common.Members) -> None:
         with torch.no_grad():
             td_target, next_allowed = bcq_target(network, target_q_network, rows[..., NEXT_S], rows[..., R],
                                                  rows[..., NOT_DONE], gamma, log_tau)
-        out = network.forward_saved(rows[..., S].repeat_interleave(2, 0)).unflatten(0, (-1, 2))
-        q_all, logits = out[:, 0], out[:, 1]
+        q_all, logits = towers(network, rows[..., S], keep=True)
         optimizer.step(network.backward(gradient(q_all, logits, batch_actions, td_target)))
         common.soft_update(step, target_network, network, period, tau)
 

@@ -792,12 +792,14 @@ class Stack:
                 t.grad = None
         return grads
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, saved: Optional[list] = None) -> torch.Tensor:
         layers = self.layers if torch.is_grad_enabled() else self.plain  # the same weights; no autograd bookkeeping
         for i, (w, b) in enumerate(layers):
             x = torch.baddbmm(b, x, w)
             if i < len(layers) - 1:
                 x = x.relu_()  # in place: baddbmm keeps no output for its backward
+                if saved is not None:
+                    saved.append(x)
         return self.output(x) if self.output else x
 
     def forward_saved(self, x: torch.Tensor) -> torch.Tensor:
@@ -808,11 +810,7 @@ class Stack:
             raise ValueError("Stack.backward does not differentiate the output function; use autograd")
         self.saved = [x]
         with torch.no_grad():
-            for i, (w, b) in enumerate(self.plain):
-                x = torch.baddbmm(b, x, w)
-                if i < len(self.plain) - 1:
-                    self.saved.append(x.relu_())
-        return x
+            return self(x, self.saved)
 
     def backward(self, g: torch.Tensor) -> torch.Tensor:
         """The gradient [K, P], laid out like flat, of a loss whose gradient with respect to the last forward_saved()
