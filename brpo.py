@@ -61,8 +61,9 @@ class Args(common.DeployArgs):  # DeployArgs: --deploy-pessimism and the certifi
     """temperature decay kappa <- kappa * kappa_decay**n after n updates (paper, end of Sec. 5)"""
     kappa_scale: float = 1.0
     """constant factor on kappa (ours, departure 4): with --kappa-max inf, the paper's kappa(s) at a usable scale"""
-    pessimism: float = 1.0
-    """lower W(s,a) by pessimism / sqrt(beta(a|s)) advantage units in rho and in lambda-bar* (departures 6, 7; 0: paper)"""
+    pessimism: float = 0.0
+    """lower W(s,a) by pessimism / sqrt(beta(a|s)) advantage units in rho and lambda-bar* while training (departures
+    6, 7; 0: the paper's, the default, and then level 1 is the deployment's fallback, departure 11)"""
     cql_alpha: float = 0.0
     """weight of CQL(H)'s term logsumexp_a Q(s, a) - Q(s, a_data) in the critic's loss (departure 13; 0: the paper)"""
     advantage_unit: bool = True

@@ -120,7 +120,7 @@ class DeployArgs(TDArgs):
     """TDArgs and BRPO's deployment flags (brpo.py, brpo_c.py; docs/brpo.md, departure 11)."""
     deploy_pessimism: Optional[tuple[float, ...]] = None
     """pessimism levels of the deployed pi, the first as trained, chosen by the improvement certificate; one value
-    fixes it (default: --pessimism and 0, or 0 alone at --pessimism 0)"""
+    fixes it (default: --pessimism, then 0; at --pessimism 0, then 1)"""
     certificate_confidence: float = 0.95
     """simultaneous one-sided confidence of the certificate's lower bounds, one per --deploy-pessimism level"""
     certificate_gamma: float = 0.99
@@ -1902,10 +1902,11 @@ def improvement_certificate(pi: np.ndarray, q: np.ndarray, cert: dict, z: float,
 
 
 def deploy_levels(args: DeployArgs) -> tuple[float, ...]:
-    """--deploy-pessimism, by default the level pi was trained at (--pessimism) and the paper's 0."""
+    """--deploy-pessimism, by default the level pi was trained at (--pessimism), then the other of the paper's 0
+    and our 1 as the fallback (docs/brpo.md, departure 11)."""
     if args.deploy_pessimism is not None:
         return tuple(args.deploy_pessimism)
-    return (args.pessimism, 0.0) if args.pessimism != 0.0 else (0.0,)
+    return (args.pessimism, 0.0) if args.pessimism != 0.0 else (0.0, 1.0)
 
 
 def deployment_certificate(args: DeployArgs, data: dict, beta: np.ndarray, behavior: BehaviorPolicy):

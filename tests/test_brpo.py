@@ -565,7 +565,7 @@ def test_solver_keeps_the_pessimistic_move(brpo):
     """The case that made BRPO lose on CartPole eps = 0.25: two actions, beta = (0.875, 0.125), rho moved
     towards the usual action by the pessimism term while the critic claims the rare one slightly better.
     With W the solver refuses that move (lambda = 0: pi = beta); with solver_advantage it keeps it."""
-    args = brpo.Args()
+    args = brpo.Args(pessimism=1.0)
     beta = np.tile([0.875, 0.125], (8, 1))
     w = np.tile([-0.3, 0.2], (8, 1))  # critic: rare action better by 0.5 units (less than the ~1.76 pessimism gap)
     rho, _ = candidate1(brpo, beta, np.ones((8, 2)), w, args, 0, 1.0)
@@ -882,11 +882,11 @@ def test_deployed_pessimism_rule(script, datasets, tmp_path):
 
 
 def test_deployed_levels_follow_the_trained_pessimism():
-    """The first deployed level is pi as trained: --pessimism, then the paper's 0 (0 alone at --pessimism 0)."""
+    """The first deployed level is pi as trained: --pessimism, then the paper's 0, or at --pessimism 0 our 1."""
     brpo = load_script("brpo.py")
-    assert common.deploy_levels(brpo.Args()) == (1.0, 0.0)
+    assert common.deploy_levels(brpo.Args()) == (0.0, 1.0)  # trained as the paper, our pessimism as the fallback
     assert common.deploy_levels(brpo.Args(pessimism=2.0)) == (2.0, 0.0)
-    assert common.deploy_levels(brpo.Args(pessimism=0.0)) == (0.0,)
+    assert common.deploy_levels(brpo.Args(pessimism=0.0)) == (0.0, 1.0)
     assert common.deploy_levels(brpo.Args(pessimism=2.0, deploy_pessimism=(0.5,))) == (0.5,)
 
 
@@ -1213,8 +1213,9 @@ def test_deployment_of_many_members_on_one_dataset(script, datasets, tmp_path):
 
 @pytest.mark.parametrize("script", ["brpo.py", "brpo_c.py"])
 def test_members_of_different_pessimism_deploy_their_own_levels(script, datasets, tmp_path):
-    """--sweep pessimism=0,1 in one process: each member chooses among its own levels ((0,) and (1, 0)), with its own
-    Bonferroni z, exactly as its single run does (the first member's levels once served all)."""
+    """--sweep pessimism=0,1 in one process: each member chooses among its own levels ((0, 1) and (1, 0): the first
+    is the one it was trained at), with its own Bonferroni z, exactly as its single run does (the first member's levels
+    once served all)."""
     flags = ["--kappa-max", "0.01", "--seed", "4"]
     proc = run_in_process([REPO / script, "--dataset-path", datasets[0.15], "--runs-dir", tmp_path / "runs",
                            "--run-name", "p{pessimism}", *TINY, *flags, "--sweep", "pessimism=0,1"])
@@ -1222,7 +1223,7 @@ def test_members_of_different_pessimism_deploy_their_own_levels(script, datasets
     for p in ("0", "1"):
         member = json.loads((tmp_path / "runs" / f"p{p}" / "result.json").read_text())
         alone = train(script, datasets[0.15], tmp_path, f"a{p}", *flags, "--pessimism", p)
-        assert {e["pessimism"] for e in member["evaluations"]} <= {0.0, float(p)}
+        assert {e["pessimism"] for e in member["evaluations"]} <= {0.0, 1.0}
         for e, f in zip(member["evaluations"], alone["evaluations"], strict=True):
             assert (e["pessimism"], e["deployed"], e["certified"], e["return_mean"]) == (
                 f["pessimism"], f["deployed"], f["certified"], f["return_mean"])
