@@ -1902,8 +1902,8 @@ def improvement_certificate(pi: np.ndarray, q: np.ndarray, cert: dict, z: float,
 
 
 def deploy_levels(args: DeployArgs) -> tuple[float, ...]:
-    """--deploy-pessimism, by default the level pi was trained at (--pessimism), then the other of the paper's 0
-    and our 1 as the fallback (docs/brpo.md, departure 11)."""
+    """--deploy-pessimism, by default the level pi was trained at (--pessimism), then the paper's 0 as the
+    fallback, or our 1 if trained at 0 (docs/brpo.md, departure 11)."""
     if args.deploy_pessimism is not None:
         return tuple(args.deploy_pessimism)
     return (args.pessimism, 0.0) if args.pessimism != 0.0 else (0.0, 1.0)

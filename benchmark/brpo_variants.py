@@ -9,9 +9,10 @@ Variants (each a distribution over actions at every visited state, sampled; same
   greedy      beta's greedy action (epsilon = 0)
   q-greedy    the critic's greedy action (argmax Q: the candidate at temperature 0, taken everywhere)
   lam-const   pi with the confidence network's output replaced by a constant (--lam, default 0.7)
-  w-zero      pi with W = 0 in the candidate: rho moves only by the pessimism term
-  no-pess     pi with the pessimism term removed from the candidate (--pessimism 0 at deployment only)
+  w-zero      pi with W = 0 in the candidate: rho moves only by the trained level's pessimism term
+  no-pess     pi with the pessimism term removed from the candidate (level 0 at deployment)
   pess=X      pi with the pessimism term scaled to X at deployment only (pess=0 is no-pess)
+(pi is the deployed level; w-zero uses the trained one: --pessimism, 0 by default, where w-zero is beta)
   uniform     beta moved towards its greedy action by the same average amount as pi, at every state alike
 For diagnosis only: the variants are not methods (lam-const is BRPO-C's confidence on BRPO's networks).
 """

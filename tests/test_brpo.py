@@ -1230,7 +1230,7 @@ def test_members_of_different_pessimism_deploy_their_own_levels(script, datasets
             for key in ("certificate", "certificate_lcb"):
                 assert e[key] == pytest.approx(f[key], rel=1e-6, abs=1e-9)
     assert any(e["pessimism"] == 1.0 for e in json.loads((tmp_path / "runs" / "p1" / "result.json").read_text())[
-        "evaluations"])  # the member trained at 1 does deploy level 1 (never offered it before)
+        "evaluations"])  # the member trained at 1 does deploy level 1, its own first level
 
 
 @pytest.mark.parametrize("script", ["brpo.py", "brpo_c.py"])
