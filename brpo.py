@@ -232,7 +232,7 @@ def enumerate_vertices(d):
     for every state: (B, M, n); invalid candidates are the zero vector."""
     bsz, n = d.shape
     js, x, onehot = _patterns(n)
-    num = d @ x.T
+    num = (d[:, None, :] * x[None]).sum(-1)  # not d @ x.T: BLAS rounds one row (gemv) unlike many, and members batch rows
     dj = d[:, js]
     ok = dj != 0
     lamj = -num / np.where(ok, dj, 1.0)
@@ -264,28 +264,32 @@ def lonely_generators(d):
     return lonely, g
 
 
-def _sweep(vals, gvals, alpha, beta_, k):
-    """The path of each ray (a, b) = s (alpha_r, beta_r): vals (B, M, 3) = (c, u, v) of the other states' vertices,
-    gvals (G, 3) of the generators with c_g > 0. Returns each ray's best f and what _rebuild needs."""
-    bsz, m, _ = vals.shape
-    kr = alpha.shape[0]
-    nr = kr * bsz
+def _sweep(vals, gvals, gok, alpha, beta_, k):
+    """The path of each member's rays (a, b) = s (alpha_r, beta_r): vals [M, B, V, 3] = (c, u, v) of the other states'
+    vertices, gvals [M, G, 3] of the generators with c_g > 0 (gok: not padding), rays alpha, beta_ [M, R], k [M].
+    Members are padded to one shape with zero states, repeated vertices and zero generators: padding adds only moves
+    of zero at s = inf after each member's own events, so each member's result is the one it gets alone (tested).
+    Returns each ray's best f [M, R] and what _rebuild needs."""
+    mm, bsz, m, _ = vals.shape
+    kr = alpha.shape[1]
+    nr = mm * kr * bsz
     ar = np.arange(nr)
-    wg = alpha[:, None] * gvals[None, :, 1] + beta_[:, None] * gvals[None, :, 2]
-    with np.errstate(divide="ignore"):  # a generator switches off at s = c_g / w_g
-        sg, p0 = gvals[:, 0] / wg, gvals.sum(0)
-    p0 = np.broadcast_to(p0, (kr, 3))
-    jn, s_flat, delta = 0, np.zeros((kr, 0)), np.zeros((kr, 0, 3))
-    idx = np.zeros((0, 1), dtype=np.int64)
+    kk = k[:, None, None]
+    wg = alpha[:, :, None] * gvals[:, None, :, 1] + beta_[:, :, None] * gvals[:, None, :, 2]
+    with np.errstate(divide="ignore", invalid="ignore"):  # a generator switches off at s = c_g / w_g
+        sg = np.where(gok[:, None, :], gvals[:, None, :, 0] / wg, np.inf)
+    p0 = np.broadcast_to(gvals.sum(1)[:, None, :], (mm, kr, 3))
+    jn, s_flat, delta = 0, np.zeros((mm, kr, 0)), np.zeros((mm, kr, 0, 3))
+    idx = np.zeros((nr, 1), dtype=np.int64)
     if bsz:
-        c = np.tile(vals[:, :, 0], (kr, 1))
-        w = (alpha[:, None, None] * vals[None, :, :, 1] + beta_[:, None, None] * vals[None, :, :, 2]).reshape(nr, m)
+        c = np.broadcast_to(vals[:, None, :, :, 0], (mm, kr, bsz, m)).reshape(nr, m)
+        w = (alpha[:, :, None, None] * vals[:, None, :, :, 1] + beta_[:, :, None, None] * vals[:, None, :, :, 2]).reshape(nr, m)
         cmax = c.max(1, keepdims=True)  # s = 0: the LP maximiser of c; ties -> smallest w (survives for s > 0)
         cur = np.where(c >= cmax - 1e-12 * np.abs(cmax), w, np.inf).argmin(1)
         idx_seq, s_seq = [cur], []
         c_cur, w_cur = c[ar, cur], w[ar, cur]
         tol_w = (1e-12 * w.max(1))[:, None]
-        for _ in range(m - 1 if k else 0):  # kinetic sweep of each state's upper envelope of lines c_m - s w_m
+        for _ in range(m - 1 if k.all() else 0):  # kinetic sweep of each state's upper envelope of lines c_m - s w_m
             dw = w_cur[:, None] - w
             valid = dw > tol_w
             if not valid.any():
@@ -300,53 +304,51 @@ def _sweep(vals, gvals, alpha, beta_, k):
             c_cur, w_cur = c[ar, cur], w[ar, cur]
         idx = np.stack(idx_seq, 1)
         jn = idx.shape[1] - 1
-        pts = vals[(ar % bsz)[:, None], idx]
-        p0 = p0 + pts[:, 0, :].reshape(kr, bsz, 3).sum(1)
+        pts = vals[(ar // (kr * bsz))[:, None], (ar % bsz)[:, None], idx]
+        p0 = p0 + pts[:, 0, :].reshape(mm, kr, bsz, 3).sum(2)
         if jn:
             # the running max keeps each state's own events in order through the stable sort (rounding can make
             # tied crossings decrease), as _rebuild counts them in order
-            s_flat = np.maximum.accumulate(np.stack(s_seq, 1), axis=1).reshape(kr, bsz * jn)
-            delta = (pts[:, 1:, :] - pts[:, :-1, :]).reshape(kr, bsz * jn, 3)
-    s_flat = np.concatenate([s_flat, sg], 1)  # generator switch-offs after the envelope events
-    delta = np.concatenate([delta, np.broadcast_to(-gvals, (kr,) + gvals.shape)], 1)
-    if s_flat.shape[1] == 0:
-        return p0[:, 0] - k * p0[:, 1] * p0[:, 2], idx, None, 0, np.zeros(kr, dtype=np.int64), np.zeros(kr)
-    order = np.argsort(s_flat, axis=1, kind="stable")
-    d_flat = delta[np.arange(kr)[:, None], order]
-    path = np.concatenate([p0[:, None, :], np.cumsum(d_flat, 1) + p0[:, None, :]], 1)  # vertices of Z along the ray
-    fv = path[..., 0] - k * path[..., 1] * path[..., 2]
+            s_flat = np.maximum.accumulate(np.stack(s_seq, 1), axis=1).reshape(mm, kr, bsz * jn)
+            delta = (pts[:, 1:, :] - pts[:, :-1, :]).reshape(mm, kr, bsz * jn, 3)
+    s_flat = np.concatenate([s_flat, sg], 2)  # generator switch-offs after the envelope events
+    delta = np.concatenate([delta, np.broadcast_to(-gvals[:, None], (mm, kr) + gvals.shape[1:])], 2)
+    if s_flat.shape[2] == 0:
+        return p0[..., 0] - kk[..., 0] * p0[..., 1] * p0[..., 2], idx, None, 0, np.zeros((mm, kr), int), np.zeros((mm, kr))
+    order = np.argsort(s_flat, axis=2, kind="stable")
+    d_flat = np.take_along_axis(delta, order[..., None], 2)
+    path = np.concatenate([p0[:, :, None, :], np.cumsum(d_flat, 2) + p0[:, :, None, :]], 2)  # vertices of Z on the ray
+    fv = path[..., 0] - kk * path[..., 1] * path[..., 2]
     dc, du, dv = d_flat[..., 0], d_flat[..., 1], d_flat[..., 2]
-    q = -k * du * dv  # f along an edge: f0 + lin sigma + q sigma^2
-    lin = dc - k * (path[:, :-1, 1] * dv + path[:, :-1, 2] * du)
+    q = -kk * du * dv  # f along an edge: f0 + lin sigma + q sigma^2
+    lin = dc - kk * (path[:, :, :-1, 1] * dv + path[:, :, :-1, 2] * du)
     neg = q < 0
     sig = np.where(neg, np.clip(lin / np.where(neg, -2.0 * q, 1.0), 0.0, 1.0), 0.0)
-    fall = np.concatenate([fv[:, :-1] + lin * sig + q * sig * sig, fv[:, -1:]], 1)  # best of each edge, last vertex
-    best_e = fall.argmax(1)
-    sig_best = np.concatenate([sig, np.zeros((kr, 1))], 1)[np.arange(kr), best_e]
-    return fall[np.arange(kr), best_e], idx, order, jn, best_e, sig_best
+    fall = np.concatenate([fv[..., :-1] + lin * sig + q * sig * sig, fv[..., -1:]], 2)  # each edge's best, last vertex
+    best_e = fall.argmax(2)
+    sig_best = np.take_along_axis(np.concatenate([sig, np.zeros((mm, kr, 1))], 2), best_e[..., None], 2)[..., 0]
+    return np.take_along_axis(fall, best_e[..., None], 2)[..., 0], idx, order, jn, best_e, sig_best
 
 
-def _rebuild(cand, n_gen, idx, order, jn, r, e, sig):
-    """lambda of ray r after the first e events of its path plus a fraction sig of event e: the candidates' lambdas
-    (B, |A|) of the non-parallelepiped states, and the generators' weights t (n_gen,)."""
+def _rebuild(cand, n_gen, idx, ev, jn, e, sig):
+    """lambda of one ray after the first e events of its path ev plus a fraction sig of event e: the lambdas (B, |A|) of
+    the non-parallelepiped states (idx (B, jn + 1): their vertices along the ray), the generators' weights t (n_gen,)."""
     bsz = cand.shape[0]
-    rows = r * bsz + np.arange(bsz)
     t = np.ones(n_gen)
-    lam = cand[np.arange(bsz), idx[rows, 0]] if bsz else cand[:, 0]
-    if order is None:
+    lam = cand[np.arange(bsz), idx[:, 0]] if bsz else cand[:, 0]
+    if ev is None:
         return lam, t
-    ev = order[r]
     n_poly = bsz * jn
     if bsz:
         n_app = np.bincount(ev[:e][ev[:e] < n_poly] // jn, minlength=bsz) if jn else np.zeros(bsz, dtype=np.int64)
-        lam = cand[np.arange(bsz), idx[rows, n_app]]
+        lam = cand[np.arange(bsz), idx[np.arange(bsz), n_app]]
     t[ev[:e][ev[:e] >= n_poly] - n_poly] = 0.0
     if sig > 0 and e < ev.shape[0]:
         if ev[e] >= n_poly:
             t[ev[e] - n_poly] = 1.0 - sig
         else:
             b = ev[e] // jn
-            nxt = cand[b, idx[rows[b], min(n_app[b] + 1, jn)]]
+            nxt = cand[b, idx[b, min(n_app[b] + 1, jn)]]
             lam[b] = (1.0 - sig) * lam[b] + sig * nxt
     return lam, t
 
@@ -375,6 +377,7 @@ def _ray_angles(thetas):
 
 
 _GRID_RAYS = _ray_angles(np.linspace(0.0, 0.5 * np.pi, 4))  # 4 rays, computed once
+MIXED_CHUNK = 6  # members per _solve_mixed call, sorted by their number of hard states (padding vs per-call overhead)
 
 
 def solve_confidence(d, w, k):
@@ -383,34 +386,54 @@ def solve_confidence(d, w, k):
     return solve_confidence_members(d[None], w[None], np.array([k], dtype=np.float64))[0]
 
 
+def _front(rows, counts):
+    """rows of several members (member after member, counts [M] each) as [M, max count, ...], zero-padded, and the mask."""
+    mask = np.arange(max(int(counts.max()), 1))[None] < counts[:, None]
+    out = np.zeros(mask.shape + rows.shape[1:])
+    out[mask] = rows
+    return out, mask
+
+
 def _solve_mixed(d, c, u, v, k, wbar, best_f, best_lam, lonely, gvec, refine_rays=(0.0, -0.03, 0.03, -0.1, 0.1)):
-    """One member whose states are not all parallelepipeds: vertex enumeration and envelope sweep of the others."""
-    n = d.shape[1]
+    """Members whose states are not all parallelepipeds ([M, B, |A|], k > 0 for all or for none): vertex enumeration
+    and envelope sweep of the other states, the members at once (_sweep's padding)."""
+    mm, bsz, n = d.shape
     cuv = np.stack([c, u, v], -1)
-    gvec, cuv_g = gvec[lonely].reshape(-1, n), cuv[lonely]
-    gvals = (gvec.reshape(-1, n - 1, n) @ cuv_g).reshape(-1, 3)
-    gpos = np.flatnonzero(gvals[:, 0] > 0)
+    gfull = np.zeros((mm, bsz, n - 1, 3))
+    gfull[lonely] = gvec[lonely] @ cuv[lonely]
+    gfull = gfull.reshape(mm, -1, 3)
+    gpos = gfull[..., 0] > 0
+    gvals, gok = _front(gfull[gpos], gpos.sum(1))  # each member's generators with c_g > 0
     hard = ~lonely  # vertex enumeration and envelope sweep
-    cand = enumerate_vertices(d[hard])
-    cand, vals = _prune(cand, cand @ cuv[hard])
-    cos_t, sin_t = _GRID_RAYS if k else (_GRID_RAYS[0][:1], _GRID_RAYS[1][:1])  # k = 0: the rays' common start
+    cand_h, vals_h = _prune(*(lambda x: (x, x @ cuv[hard]))(enumerate_vertices(d[hard])))
+    (cand, real), (vals, _) = _front(cand_h, hard.sum(1)), _front(vals_h, hard.sum(1))
+    grid = _GRID_RAYS if k.all() else (_GRID_RAYS[0][:1], _GRID_RAYS[1][:1])  # k = 0: the rays' common start
+    cos_t, sin_t = (np.broadcast_to(a, (mm, len(a))) for a in grid)
+    going = np.ones(mm, bool)
     for it in range(2):
-        f, idx, order, jn, e, sig = _sweep(vals, gvals[gpos], cos_t, sin_t / wbar, k)
-        r = int(f.argmax())
-        if f[r] > best_f:
-            lam_hard, t_pos = _rebuild(cand, gpos.size, idx, order, jn, r, int(e[r]), float(sig[r]))
-            t = np.zeros(gvals.shape[0])
-            t[gpos] = t_pos
-            lam = np.empty_like(d)
-            lam[hard] = lam_hard
-            lam[lonely] = np.clip((t.reshape(-1, n - 1, 1) * gvec.reshape(-1, n - 1, n)).sum(1), 0.0, 1.0)
-            fl = float((lam * c).sum() - k * (lam * u).sum() * (lam * v).sum())
-            if fl > best_f:
-                best_f, best_lam = fl, lam
-        uu, vv = (best_lam * u).sum(), (best_lam * v).sum()
-        if it == 1 or k == 0 or (uu <= 0 and vv <= 0):  # k = 0: f = C, each state at its LP maximiser is optimal
+        sub = np.flatnonzero(going)
+        f, idx, order, jn, e, sig = _sweep(vals[sub], gvals[sub], gok[sub], cos_t[sub], sin_t[sub] / wbar[sub, None], k[sub])
+        for si, i in enumerate(sub):
+            r = int(f[si].argmax())
+            if f[si, r] > best_f[i]:
+                rows = (si * f.shape[1] + r) * real.shape[1] + np.arange(real.shape[1])
+                lam_hard, t_pos = _rebuild(cand[i], gok.shape[1], idx[rows], None if order is None else order[si, r],
+                                           jn, int(e[si, r]), float(sig[si, r]))
+                t = np.zeros(gfull.shape[1])
+                t[gpos[i]] = t_pos[gok[i]]
+                lam = np.empty_like(d[i])
+                lam[hard[i]] = lam_hard[real[i]]
+                lam[lonely[i]] = np.clip((t.reshape(bsz, n - 1, 1)[lonely[i]] * gvec[i][lonely[i]]).sum(1), 0.0, 1.0)
+                fl = float((lam * c[i]).sum() - k[i] * (lam * u[i]).sum() * (lam * v[i]).sum())
+                if fl > best_f[i]:
+                    best_f[i], best_lam[i] = fl, lam
+        if it == 1 or not k.all():  # k = 0: f = C, each state at its LP maximiser is optimal
             break
-        cos_t, sin_t = _ray_angles(math.atan2(uu * wbar, vv) + np.asarray(refine_rays))  # the ray through (kV*, kU*)
+        uu, vv = (best_lam * u).sum((1, 2)), (best_lam * v).sum((1, 2))
+        if not (going := ~((uu <= 0) & (vv <= 0))).any():
+            break
+        # the ray through (kV*, kU*) of each member
+        cos_t, sin_t = _ray_angles(np.array([math.atan2(a, b) for a, b in zip(uu * wbar, vv)])[:, None] + np.asarray(refine_rays))
     return best_lam
 
 
@@ -485,8 +508,11 @@ def solve_confidence_members(d, w, k):
                                                        np.repeat(t_const[sub, None], gvals.shape[1], 1))
             mixed = np.clip((t.reshape(len(sub), bsz, n - 1, 1) * gvec[sub]).sum(2), 0.0, 1.0)
             lam[sub] = np.where(improved[:, None, None], mixed, lam[sub])
-        for i in np.flatnonzero(~together & (su > 0)):
-            lam[i] = _solve_mixed(d[i], c[i], u[i], v[i], k[i], wbar[i], best_f[i], lam[i], lonely[i], gvec[i])
+        for pick in (~together & (su > 0) & (k > 0), ~together & (su > 0) & (k == 0)):
+            by_size = np.flatnonzero(pick)[np.argsort((~lonely[pick]).sum(1), kind="stable")]  # little padding
+            for sub in np.array_split(by_size, -(-len(by_size) // MIXED_CHUNK)) if len(by_size) else ():
+                lam[sub] = _solve_mixed(d[sub], c[sub], u[sub], v[sub], k[sub], wbar[sub], best_f[sub], lam[sub],
+                                        lonely[sub], gvec[sub])
     return np.where((su == 0.0)[:, None, None], 0.0, lam)
 
 

@@ -1271,15 +1271,18 @@ def test_safety_test_deploys_beta_until_certified(script, datasets, tmp_path):
 
 def test_solver_over_members_is_each_members_solver(brpo):
     """lambda-bar* of every member at once (the training loop's form) is exactly each member's own solve_confidence:
-    members of different sizes of move, penalties and kinds of states, including all-zero moves."""
+    members of different sizes of move, penalties (0 too) and kinds of states, including all-zero moves; with |A| >= 4
+    more members than one padded chunk of the vertex sweep (MIXED_CHUNK), so padding and chunks are exercised."""
     rng = np.random.default_rng(21)
-    for n_actions in (2, 3, 4):
+    for n_actions in (2, 3, 4, 5):
         for kind in KINDS:
-            instances = [random_instance(rng, 32, n_actions, kind) for _ in range(5)]
+            members = 5 if n_actions < 4 else 2 * brpo.MIXED_CHUNK + 1
+            instances = [random_instance(rng, 32, n_actions, kind) for _ in range(members)]
             d = np.stack([x[0] * rng.choice([1e-3, 1.0, 10.0]) for x in instances])
             d[2] = 0.0  # a member whose candidate equals beta: lambda = 0
             w = np.stack([x[1] for x in instances])
             k = np.array([x[2] * rng.choice([0.01, 1.0, 100.0]) for x in instances])
+            k[3] = 0.0  # no penalty: the LP
             got = brpo.solve_confidence_members(d, w, k)
-            for m in range(5):
+            for m in range(members):
                 assert np.array_equal(got[m], brpo.solve_confidence(d[m], w[m], k[m])), (n_actions, kind, m)
