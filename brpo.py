@@ -316,7 +316,8 @@ def _sweep(vals, gvals, gok, alpha, beta_, k):
     if s_flat.shape[2] == 0:
         return p0[..., 0] - kk[..., 0] * p0[..., 1] * p0[..., 2], idx, None, 0, np.zeros((mm, kr), int), np.zeros((mm, kr))
     order = np.argsort(s_flat, axis=2, kind="stable")
-    d_flat = np.take_along_axis(delta, order[..., None], 2)
+    im, ir = np.arange(mm)[:, None], np.arange(kr)[None]
+    d_flat = delta[im[..., None], ir[..., None], order]
     path = np.concatenate([p0[:, :, None, :], np.cumsum(d_flat, 2) + p0[:, :, None, :]], 2)  # vertices of Z on the ray
     fv = path[..., 0] - kk * path[..., 1] * path[..., 2]
     dc, du, dv = d_flat[..., 0], d_flat[..., 1], d_flat[..., 2]
@@ -326,8 +327,8 @@ def _sweep(vals, gvals, gok, alpha, beta_, k):
     sig = np.where(neg, np.clip(lin / np.where(neg, -2.0 * q, 1.0), 0.0, 1.0), 0.0)
     fall = np.concatenate([fv[..., :-1] + lin * sig + q * sig * sig, fv[..., -1:]], 2)  # each edge's best, last vertex
     best_e = fall.argmax(2)
-    sig_best = np.take_along_axis(np.concatenate([sig, np.zeros((mm, kr, 1))], 2), best_e[..., None], 2)[..., 0]
-    return np.take_along_axis(fall, best_e[..., None], 2)[..., 0], idx, order, jn, best_e, sig_best
+    sig_best = np.concatenate([sig, np.zeros((mm, kr, 1))], 2)[im, ir, best_e]
+    return fall[im, ir, best_e], idx, order, jn, best_e, sig_best
 
 
 def _rebuild(cand, n_gen, idx, ev, jn, e, sig):
