@@ -268,7 +268,7 @@ def _sweep(vals, gvals, gok, alpha, beta_, k):
     """The path of each member's rays (a, b) = s (alpha_r, beta_r): vals [M, B, V, 3] = (c, u, v) of the other states'
     vertices, gvals [M, G, 3] of the generators with c_g > 0 (gok: not padding), rays alpha, beta_ [M, R], k [M].
     Members are padded to one shape with zero states, repeated vertices and zero generators: padding adds only moves
-    of zero at s = inf after each member's own events, so each member's result is the one it gets alone (tested).
+    of zero at s = inf after each member's own events, so each member's result is the one it gets alone (test_solver_over_members_is_each_members_solver).
     Returns each ray's best f [M, R] and what _rebuild needs."""
     mm, bsz, m, _ = vals.shape
     kr = alpha.shape[1]
@@ -313,8 +313,6 @@ def _sweep(vals, gvals, gok, alpha, beta_, k):
             delta = (pts[:, 1:, :] - pts[:, :-1, :]).reshape(mm, kr, bsz * jn, 3)
     s_flat = np.concatenate([s_flat, sg], 2)  # generator switch-offs after the envelope events
     delta = np.concatenate([delta, np.broadcast_to(-gvals[:, None], (mm, kr) + gvals.shape[1:])], 2)
-    if s_flat.shape[2] == 0:
-        return p0[..., 0] - kk[..., 0] * p0[..., 1] * p0[..., 2], idx, None, 0, np.zeros((mm, kr), int), np.zeros((mm, kr))
     order = np.argsort(s_flat, axis=2, kind="stable")
     im, ir = np.arange(mm)[:, None], np.arange(kr)[None]
     d_flat = delta[im[..., None], ir[..., None], order]
@@ -337,8 +335,6 @@ def _rebuild(cand, n_gen, idx, ev, jn, e, sig):
     bsz = cand.shape[0]
     t = np.ones(n_gen)
     lam = cand[np.arange(bsz), idx[:, 0]] if bsz else cand[:, 0]
-    if ev is None:
-        return lam, t
     n_poly = bsz * jn
     if bsz:
         n_app = np.bincount(ev[:e][ev[:e] < n_poly] // jn, minlength=bsz) if jn else np.zeros(bsz, dtype=np.int64)
@@ -404,9 +400,10 @@ def _solve_mixed(d, c, u, v, k, wbar, best_f, best_lam, lonely, gvec, refine_ray
     gfull[lonely] = gvec[lonely] @ cuv[lonely]
     gfull = gfull.reshape(mm, -1, 3)
     gpos = gfull[..., 0] > 0
-    gvals, gok = _front(gfull[gpos], gpos.sum(1))  # each member's generators with c_g > 0
+    gvals, gok = _front(gfull[gpos], gpos.sum(1))  # each member's generators with c_g > 0 (at least one column)
     hard = ~lonely  # vertex enumeration and envelope sweep
-    cand_h, vals_h = _prune(*(lambda x: (x, x @ cuv[hard]))(enumerate_vertices(d[hard])))
+    cand_h = enumerate_vertices(d[hard])
+    cand_h, vals_h = _prune(cand_h, cand_h @ cuv[hard])
     (cand, real), (vals, _) = _front(cand_h, hard.sum(1)), _front(vals_h, hard.sum(1))
     grid = _GRID_RAYS if k.all() else (_GRID_RAYS[0][:1], _GRID_RAYS[1][:1])  # k = 0: the rays' common start
     cos_t, sin_t = (np.broadcast_to(a, (mm, len(a))) for a in grid)
@@ -418,7 +415,7 @@ def _solve_mixed(d, c, u, v, k, wbar, best_f, best_lam, lonely, gvec, refine_ray
             r = int(f[si].argmax())
             if f[si, r] > best_f[i]:
                 rows = (si * f.shape[1] + r) * real.shape[1] + np.arange(real.shape[1])
-                lam_hard, t_pos = _rebuild(cand[i], gok.shape[1], idx[rows], None if order is None else order[si, r],
+                lam_hard, t_pos = _rebuild(cand[i], gok.shape[1], idx[rows], order[si, r],
                                            jn, int(e[si, r]), float(sig[si, r]))
                 t = np.zeros(gfull.shape[1])
                 t[gpos[i]] = t_pos[gok[i]]
@@ -434,7 +431,8 @@ def _solve_mixed(d, c, u, v, k, wbar, best_f, best_lam, lonely, gvec, refine_ray
         if not (going := ~((uu <= 0) & (vv <= 0))).any():
             break
         # the ray through (kV*, kU*) of each member
-        cos_t, sin_t = _ray_angles(np.array([math.atan2(a, b) for a, b in zip(uu * wbar, vv)])[:, None] + np.asarray(refine_rays))
+        ray = np.array([math.atan2(a, b) for a, b in zip(uu * wbar, vv)])  # not np.arctan2: it rounds differently
+        cos_t, sin_t = _ray_angles(ray[:, None] + np.asarray(refine_rays))
     return best_lam
 
 
@@ -480,7 +478,7 @@ def _solve_generators(gvals, k, wbar, best_f, t_best, refine_rays=(0.0, -0.03, 0
 
 def solve_confidence_members(d, w, k):
     """lambda-bar* of every member: d, w [M, B, |A|], k [M]. Members whose states are all parallelepipeds (always
-    for |A| <= 3) are solved together; a member with other states by the sweep (_solve_mixed)."""
+    for |A| <= 3) are solved together; the others by the sweep (_solve_mixed), MIXED_CHUNK at a time."""
     m, bsz, n = d.shape
     d = np.asarray(d, dtype=np.float64)
     w = np.minimum(np.maximum(np.asarray(w, dtype=np.float64), -W_CLAMP), W_CLAMP)
@@ -509,7 +507,7 @@ def solve_confidence_members(d, w, k):
                                                        np.repeat(t_const[sub, None], gvals.shape[1], 1))
             mixed = np.clip((t.reshape(len(sub), bsz, n - 1, 1) * gvec[sub]).sum(2), 0.0, 1.0)
             lam[sub] = np.where(improved[:, None, None], mixed, lam[sub])
-        for pick in (~together & (su > 0) & (k > 0), ~together & (su > 0) & (k == 0)):
+        for pick in (~together & (su > 0) & (k != 0), ~together & (su > 0) & (k == 0)):
             by_size = np.flatnonzero(pick)[np.argsort((~lonely[pick]).sum(1), kind="stable")]  # little padding
             for sub in np.array_split(by_size, -(-len(by_size) // MIXED_CHUNK)) if len(by_size) else ():
                 lam[sub] = _solve_mixed(d[sub], c[sub], u[sub], v[sub], k[sub], wbar[sub], best_f[sub], lam[sub],

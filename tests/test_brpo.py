@@ -1282,7 +1282,7 @@ def test_solver_over_members_is_each_members_solver(brpo):
             d[2] = 0.0  # a member whose candidate equals beta: lambda = 0
             w = np.stack([x[1] for x in instances])
             k = np.array([x[2] * rng.choice([0.01, 1.0, 100.0]) for x in instances])
-            k[3] = 0.0  # no penalty: the LP
+            k[3::2] = 0.0  # no penalty (the LP): with |A| >= 4 more such members than one chunk too
             got = brpo.solve_confidence_members(d, w, k)
             for m in range(members):
                 assert np.array_equal(got[m], brpo.solve_confidence(d[m], w[m], k[m])), (n_actions, kind, m)
