@@ -279,38 +279,36 @@ def _sweep(vals, gvals, gok, alpha, beta_, k):
     with np.errstate(divide="ignore", invalid="ignore"):  # a generator switches off at s = c_g / w_g
         sg = np.where(gok[:, None, :], gvals[:, None, :, 0] / wg, np.inf)
     p0 = np.broadcast_to(gvals.sum(1)[:, None, :], (mm, kr, 3))
-    jn, s_flat, delta = 0, np.zeros((mm, kr, 0)), np.zeros((mm, kr, 0, 3))
-    idx = np.zeros((nr, 1), dtype=np.int64)
-    if bsz:
-        c = np.broadcast_to(vals[:, None, :, :, 0], (mm, kr, bsz, m)).reshape(nr, m)
-        w = (alpha[:, :, None, None] * vals[:, None, :, :, 1] + beta_[:, :, None, None] * vals[:, None, :, :, 2]).reshape(nr, m)
-        cmax = c.max(1, keepdims=True)  # s = 0: the LP maximiser of c; ties -> smallest w (survives for s > 0)
-        cur = np.where(c >= cmax - 1e-12 * np.abs(cmax), w, np.inf).argmin(1)
-        idx_seq, s_seq = [cur], []
+    s_flat, delta = np.zeros((mm, kr, 0)), np.zeros((mm, kr, 0, 3))  # no envelope events (jn = 0)
+    c = np.broadcast_to(vals[:, None, :, :, 0], (mm, kr, bsz, m)).reshape(nr, m)
+    w = (alpha[:, :, None, None] * vals[:, None, :, :, 1] + beta_[:, :, None, None] * vals[:, None, :, :, 2]).reshape(nr, m)
+    cmax = c.max(1, keepdims=True)  # s = 0: the LP maximiser of c; ties -> smallest w (survives for s > 0)
+    cur = np.where(c >= cmax - 1e-12 * np.abs(cmax), w, np.inf).argmin(1)
+    idx_seq, s_seq = [cur], []
+    c_cur, w_cur = c[ar, cur], w[ar, cur]
+    tol_w = (1e-12 * w.max(1))[:, None]
+    for _ in range(m - 1 if k.all() else 0):  # kinetic sweep of each state's upper envelope of lines c_m - s w_m
+        dw = w_cur[:, None] - w
+        valid = dw > tol_w
+        if not valid.any():
+            break
+        s = np.where(valid, (c_cur[:, None] - c) / np.where(valid, dw, 1.0), np.inf)
+        smin = s.min(1)
+        # among lines tied at the crossing take the largest w: walks a degenerate face vertex by vertex
+        nxt = np.where(s <= smin[:, None] * (1 + 1e-10), w, -np.inf).argmax(1)
+        cur = np.where(np.isinf(smin), cur, nxt)
+        s_seq.append(smin)
+        idx_seq.append(cur)
         c_cur, w_cur = c[ar, cur], w[ar, cur]
-        tol_w = (1e-12 * w.max(1))[:, None]
-        for _ in range(m - 1 if k.all() else 0):  # kinetic sweep of each state's upper envelope of lines c_m - s w_m
-            dw = w_cur[:, None] - w
-            valid = dw > tol_w
-            if not valid.any():
-                break
-            s = np.where(valid, (c_cur[:, None] - c) / np.where(valid, dw, 1.0), np.inf)
-            smin = s.min(1)
-            # among lines tied at the crossing take the largest w: walks a degenerate face vertex by vertex
-            nxt = np.where(s <= smin[:, None] * (1 + 1e-10), w, -np.inf).argmax(1)
-            cur = np.where(np.isinf(smin), cur, nxt)
-            s_seq.append(smin)
-            idx_seq.append(cur)
-            c_cur, w_cur = c[ar, cur], w[ar, cur]
-        idx = np.stack(idx_seq, 1)
-        jn = idx.shape[1] - 1
-        pts = vals[(ar // (kr * bsz))[:, None], (ar % bsz)[:, None], idx]
-        p0 = p0 + pts[:, 0, :].reshape(mm, kr, bsz, 3).sum(2)
-        if jn:
-            # the running max keeps each state's own events in order through the stable sort (rounding can make
-            # tied crossings decrease), as _rebuild counts them in order
-            s_flat = np.maximum.accumulate(np.stack(s_seq, 1), axis=1).reshape(mm, kr, bsz * jn)
-            delta = (pts[:, 1:, :] - pts[:, :-1, :]).reshape(mm, kr, bsz * jn, 3)
+    idx = np.stack(idx_seq, 1)
+    jn = idx.shape[1] - 1
+    pts = vals[(ar // (kr * bsz))[:, None], (ar % bsz)[:, None], idx]
+    p0 = p0 + pts[:, 0, :].reshape(mm, kr, bsz, 3).sum(2)
+    if jn:
+        # the running max keeps each state's own events in order through the stable sort (rounding can make
+        # tied crossings decrease), as _rebuild counts them in order
+        s_flat = np.maximum.accumulate(np.stack(s_seq, 1), axis=1).reshape(mm, kr, bsz * jn)
+        delta = (pts[:, 1:, :] - pts[:, :-1, :]).reshape(mm, kr, bsz * jn, 3)
     s_flat = np.concatenate([s_flat, sg], 2)  # generator switch-offs after the envelope events
     delta = np.concatenate([delta, np.broadcast_to(-gvals[:, None], (mm, kr) + gvals.shape[1:])], 2)
     order = np.argsort(s_flat, axis=2, kind="stable")
@@ -334,11 +332,9 @@ def _rebuild(cand, n_gen, idx, ev, jn, e, sig):
     the non-parallelepiped states (idx (B, jn + 1): their vertices along the ray), the generators' weights t (n_gen,)."""
     bsz = cand.shape[0]
     t = np.ones(n_gen)
-    lam = cand[np.arange(bsz), idx[:, 0]] if bsz else cand[:, 0]
     n_poly = bsz * jn
-    if bsz:
-        n_app = np.bincount(ev[:e][ev[:e] < n_poly] // jn, minlength=bsz) if jn else np.zeros(bsz, dtype=np.int64)
-        lam = cand[np.arange(bsz), idx[np.arange(bsz), n_app]]
+    n_app = np.bincount(ev[:e][ev[:e] < n_poly] // jn, minlength=bsz) if jn else np.zeros(bsz, dtype=np.int64)
+    lam = cand[np.arange(bsz), idx[np.arange(bsz), n_app]]
     t[ev[:e][ev[:e] >= n_poly] - n_poly] = 0.0
     if sig > 0 and e < ev.shape[0]:
         if ev[e] >= n_poly:
@@ -392,7 +388,7 @@ def _front(rows, counts):
 
 
 def _solve_mixed(d, c, u, v, k, wbar, best_f, best_lam, lonely, gvec, refine_rays=(0.0, -0.03, 0.03, -0.1, 0.1)):
-    """Members whose states are not all parallelepipeds ([M, B, |A|], k > 0 for all or for none): vertex enumeration
+    """Members whose states are not all parallelepipeds ([M, B, |A|], k != 0 for all or for none): vertex enumeration
     and envelope sweep of the other states, the members at once (_sweep's padding)."""
     mm, bsz, n = d.shape
     cuv = np.stack([c, u, v], -1)
