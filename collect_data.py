@@ -85,8 +85,8 @@ class Args:
     """start states of the behaviour-return measurement: episode i starts from reset(seed=eval_seed + i), the
     start states on which the algorithm scripts are scored (their default --eval-episodes 40, --eval-seed 10000)"""
     behavior_eval_passes: int = 10
-    """passes over those start states, each with its own exploration noise; behavior_return is the mean of all
-    passes' episodes (400 by default)"""
+    """passes over those start states, with the exploration noise of the scripts' last evaluations (their final score
+    averages the last 10); behavior_return is the mean of all passes' episodes (400 by default)"""
     eval_seed: int = 10_000
     """seed of the first measurement episode (episode i uses eval_seed + i)"""
     overwrite: bool = False
@@ -185,6 +185,20 @@ def run_episodes(env_id: str, weights: dict, epsilon: float, n: int, seed: int, 
             obs[j], returns[j] = o, returns[j] + r
             active[j] = not (term or trunc)
     return returns
+
+
+def behavior_returns(env_id: str, weights: dict, epsilon: float, episodes: int, passes: int, eval_seed: int) -> np.ndarray:
+    """beta's returns [passes * episodes] as the algorithm scripts score a policy: their evaluator (common.Simulators,
+    actions drawn by common.sample), their start states, and the exploration noise of the last `passes` evaluations
+    of their default schedule. A run that deploys beta then scores behavior_return exactly (a paired comparison: an
+    independent draw of the noise alone moves it by up to 5 on Acrobot, docs/experiments/2026-12-03-paired-behaviour.md)."""
+    import common  # torch and the evaluator: only for the measurement
+
+    policy, defaults = common.BehaviorPolicy(weights, epsilon), common.RunArgs()
+    simulators = common.Simulators(env_id, 1, episodes, eval_seed)
+    act = lambda obs, u: common.sample(policy(obs.reshape(-1, obs.shape[-1])).view(*obs.shape[:-1], -1), u.double())  # noqa: E731
+    steps = [defaults.total_steps - defaults.eval_frequency * (passes - 1 - p) for p in range(passes)]
+    return np.concatenate([simulators.run(act, eval_seed + step).ravel() for step in steps])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -309,10 +323,8 @@ def collect(args: Args, env_id: str, epsilon: float, weights: dict, behavior_pat
         else:
             obs = nxt
     next_probs = behavior_probs(weights, next_buf, epsilon)
-    # The behaviour return is measured on the start states the algorithms are scored on (paired comparison: a
-    # different sample of start states alone moves CartPole's return by ~5), several passes of exploration noise.
-    returns = np.concatenate([run_episodes(env_id, weights, epsilon, args.behavior_eval_episodes, args.eval_seed,
-                                           noise_seed=args.eval_seed + 7919 * p) for p in range(args.behavior_eval_passes)])
+    returns = behavior_returns(env_id, weights, epsilon, args.behavior_eval_episodes, args.behavior_eval_passes,
+                               args.eval_seed)
     settings = dict(asdict(args), epsilon=epsilon, env_id=env_id, behavior_path=str(behavior_path),
                     gymnasium_version=gym.__version__, numpy_version=np.__version__, numpy_simd=numpy_simd(),
                     dataset_episodes=len(episode_returns),
@@ -359,8 +371,8 @@ def main(args: Args) -> None:
         fail(f"--num-transitions must lie in [1, 10000000], got {args.num_transitions}")
     if not 0 < args.behavior_eval_episodes <= 10_000:
         fail(f"--behavior-eval-episodes must lie in [1, 10000], got {args.behavior_eval_episodes}")
-    if args.behavior_eval_passes <= 0:
-        fail(f"--behavior-eval-passes must be positive, got {args.behavior_eval_passes}")
+    if not 0 < args.behavior_eval_passes <= 100:  # the noise of the default schedule's 100 evaluations
+        fail(f"--behavior-eval-passes must lie in [1, 100], got {args.behavior_eval_passes}")
     if not args.epsilon:
         fail("--epsilon needs at least one value, e.g. --epsilon 0.15")
     if args.dataset_path is not None and len(args.epsilon) != 1:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 import platform
 
 import numpy as np
@@ -146,3 +147,21 @@ def test_behavior_return_is_measured_on_the_evaluation_start_states(datasets):
             total, done = total + r, term or trunc
         returns.append(total)
     assert float(d["behavior_return"]) == pytest.approx(np.mean(returns))
+
+
+def test_behavior_return_uses_the_noise_of_the_scripts_final_evaluations(monkeypatch):
+    """behavior_return is paired with the final score: the evaluator's noise seeds are those of the last 10
+    evaluations of the scripts' default schedule (also with the sparse curve), so a run deploying beta scores it."""
+    import collect_data
+    import common
+
+    seen = []
+    monkeypatch.setattr(common.Simulators, "run", lambda self, act, noise_seed: seen.append(noise_seed) or np.zeros((1, 3)))
+    weights = {f"{k}{i}": np.zeros(s, np.float32) for i, (o, n) in enumerate([(4, 32), (32, 16), (16, 2)])
+               for k, s in (("w", (n, o)), ("b", (n,)))}
+    returns = collect_data.behavior_returns("CartPole-v1", weights, 0.15, 3, 10, 10_000)
+    assert returns.shape == (30,)
+    for sparse in (0, 5000):
+        first = common.RunArgs(eval_sparse_frequency=sparse)
+        due = [s for s in range(1, first.total_steps + 1) if common.Members.due(SimpleNamespace(first=first), s)]
+        assert seen == [first.eval_seed + s for s in due[-10:]]
