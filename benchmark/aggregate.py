@@ -23,6 +23,10 @@ seeds).
 a grid that outlives its result files (another machine, a cleaned checkout) keeps growing from its committed
 per-run table. A result.json for the same cell, configuration and seed replaces the listed row. Listed runs
 carry no learning curve (runs.csv has none).
+
+--behavior-from DATASETS_DIR scores every run against the behaviour return of its dataset in that directory
+(collect_data.py's file names) instead of the one its result file recorded: the runs do not depend on how beta was
+scored, so results from before a change of that measurement can be compared with the new one.
 """
 from __future__ import annotations
 
@@ -224,6 +228,20 @@ def load_runs_csv(path: Path) -> list[Run]:
                         behavior_return=beh, steps=[], returns=[], args={}, extra=extra,
                         group=f"dir:{env}/eps{fmt_value(eps)}/{config}", eval_se=eval_se))
     return runs
+
+
+def dataset_behavior_return(path: Path) -> float:
+    """A dataset's behavior_return (--behavior-from), at runs.csv's precision, or one AggregateError line."""
+    try:
+        with np.load(path) as d:
+            beh = float(d["behavior_return"])
+    except (OSError, ValueError, KeyError) as e:
+        raise AggregateError(f"--behavior-from: cannot read behavior_return from '{path}' ({e}); create the dataset "
+                             "with collect_data.py or pass the directory that holds it")
+    if not math.isfinite(beh):
+        raise AggregateError(f"--behavior-from: '{path}' has a behavior_return of {beh}; recreate it with "
+                             "collect_data.py --overwrite")
+    return round(beh, 4)
 
 
 def merge_runs(found: list[Run], listed: list[Run]) -> list[Run]:
@@ -494,8 +512,9 @@ def build_report(roots: list[Path], runs: list[Run], skipped, expected_seeds: in
            if ours else "")
         + "`n=k/N`: only k of N seeds finished; "
         "`—`: no finished run. In parentheses: the paper's value. The paper's LunarLander-v2 rows are "
-        "compared with our LunarLander-v3. Behavior: the dataset's measured ε-greedy behaviour return "
-        "(`behavior_return`).",
+        "compared with our LunarLander-v3. Behavior: the dataset's `behavior_return`, the ε-greedy behaviour "
+        "policy scored by the same evaluator, start states and exploration noise as a run's final score (a run "
+        "that deploys β scores it exactly).",
         "",
     ]
     missing_rows = sorted({(env, eps) for env, eps, _ in paper} - set(rows), key=lambda r: row_key(*r))
@@ -822,6 +841,9 @@ def _main(argv: list[str] | None = None) -> int:
     p.add_argument("--algos", nargs="+", default=None, metavar="ALGO",
                    help=f"only these algorithms' columns ({' '.join(ALGO_ORDER)}; default: the paper's and any "
                         "other with results)")
+    p.add_argument("--behavior-from", type=Path, default=None, metavar="DATASETS_DIR",
+                   help="take each run's behaviour return from its dataset <env>_eps<e>.npz in this directory (e.g. "
+                        "datasets) instead of from its result file")
     argv = list(sys.argv[1:] if argv is None else argv)
     opts = p.parse_args(argv)
     try:
@@ -861,6 +883,13 @@ def _main(argv: list[str] | None = None) -> int:
             runs = merge_runs(runs, load_runs_csv(path))
         if opts.algos:
             runs = [r for r in runs if r.algo in opts.algos]
+        if opts.behavior_from is not None:
+            behavior = {}
+            for r in runs:
+                key = (r.env_id, round(r.epsilon, 6))
+                if key not in behavior:
+                    behavior[key] = dataset_behavior_return(opts.behavior_from / f"{r.env_id}_eps{r.epsilon:g}.npz")
+                r.behavior_return = behavior[key]
         if opts.selection_seeds and runs and not any(r.seed in opts.selection_seeds for r in runs):
             raise AggregateError(f"no result for the --selection-seeds {' '.join(map(str, opts.selection_seeds))} "
                                  f"under '{root}' (seeds found: {' '.join(map(str, sorted({r.seed for r in runs})))})")

@@ -1234,3 +1234,28 @@ def test_readme_headline_table_is_what_the_committed_results_give(tmp_path):
     proc = subprocess.run([sys.executable, str(BENCH / "headline_table.py"), str(BENCH / "table1_result"), str(bad)],
                           capture_output=True, text=True)
     assert proc.returncode == 1 and proc.stdout == "" and "two selected configurations for BRPO" in proc.stderr
+
+
+def test_aggregate_behavior_from_datasets(tmp_path, capsys):
+    """--behavior-from: every run, found on disk or listed in a runs.csv, is scored against its dataset's
+    behavior_return (the at-or-above-beta count follows it); a missing dataset is one error line and no report."""
+    res, data = tmp_path / "res", tmp_path / "data"
+    data.mkdir()
+    for seed in (1, 2):
+        write_result(res, "CartPole-v1", 0.15, "dqn", seed, 100.0, behavior=50.0)
+        write_result(res, "CartPole-v1", 1.0, "dqn", seed, 100.0, behavior=50.0)
+    assert aggregate.main([str(res), "--no-plots", "--out", str(tmp_path / "a")]) == 0
+    np.savez(data / "CartPole-v1_eps0.15.npz", behavior_return=np.float64(120.123456))
+    np.savez(data / "CartPole-v1_eps1.npz", behavior_return=np.float64(20.0))
+    for source in ([str(res)], [str(tmp_path / "none"), "--merge-runs", str(tmp_path / "a" / "runs.csv")]):
+        (tmp_path / "none").mkdir(exist_ok=True)
+        out = tmp_path / f"b{len(source)}"
+        assert aggregate.main([*source, "--no-plots", "--behavior-from", str(data), "--out", str(out)]) == 0
+        rows = list(csv.DictReader(open(out / "runs.csv")))
+        assert sorted((r["epsilon"], r["behavior_return"]) for r in rows) == [("0.15", "120.1235")] * 2 + [("1", "20.0000")] * 2
+        assert summary_rows((out / "table1.md").read_text())["DQN"][1:3] == ["2", "1"]
+    (data / "CartPole-v1_eps1.npz").unlink()
+    capsys.readouterr()
+    assert aggregate.main([str(res), "--no-plots", "--behavior-from", str(data), "--out", str(tmp_path / "c")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "CartPole-v1_eps1.npz" in err[0] and not (tmp_path / "c").exists()
