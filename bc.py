@@ -56,8 +56,8 @@ class PolicyNetwork(nn.Module):
 def make_policy(policy_network: common.Stack, greedy: bool):
     """act(obs [M, E, dim], u) -> actions [M, E]: sampled from the cloned policy with the evaluation's uniforms u
     (each evaluation's noise is seeded with eval_seed + updates so far: reproducible on its own, and the last 10
-    evaluations that make the final score average 10 independent draws, like the behaviour policy's 10 passes in
-    `behavior_return`), or its most likely action."""
+    evaluations that make the final score average 10 independent draws, the noise `behavior_return` is scored
+    with), or its most likely action."""
     def act(obs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         logits = policy_network(obs)
         return logits.argmax(-1) if greedy else common.sample(torch.softmax(logits, -1), u)

@@ -168,11 +168,12 @@ def numpy_simd() -> list:
         return []
 
 
-def run_episodes(env_id: str, weights: dict, epsilon: float, n: int, seed: int, noise_seed: Optional[int] = None) -> np.ndarray:
+def run_episodes(env_id: str, weights: dict, epsilon: float, n: int, seed: int) -> np.ndarray:
     """Returns of n epsilon-greedy episodes, run side by side (one batched forward per step); episode i starts
-    from reset(seed=seed + i), the exploration noise comes from noise_seed (default: seed)."""
+    from reset(seed=seed + i), the exploration noise from a generator seeded with seed (behaviour training's
+    checkpoint selection; behavior_returns scores the datasets' beta)."""
     envs = [make_env(env_id) for _ in range(n)]
-    rng = np.random.default_rng(seed if noise_seed is None else noise_seed)
+    rng = np.random.default_rng(seed)
     obs = np.stack([env.reset(seed=seed + i)[0] for i, env in enumerate(envs)]).astype(np.float64)
     returns, active = np.zeros(n), np.ones(n, dtype=bool)
     while active.any():
@@ -187,18 +188,36 @@ def run_episodes(env_id: str, weights: dict, epsilon: float, n: int, seed: int, 
     return returns
 
 
-def behavior_returns(env_id: str, weights: dict, epsilon: float, episodes: int, passes: int, eval_seed: int) -> np.ndarray:
-    """beta's returns [passes * episodes] as the algorithm scripts score a policy: their evaluator (common.Simulators,
-    actions drawn by common.sample), their start states, and the exploration noise of the last `passes` evaluations
-    of their default schedule. A run that deploys beta then scores behavior_return exactly (a paired comparison: an
-    independent draw of the noise alone moves it by up to 5 on Acrobot, docs/experiments/2026-12-03-paired-behaviour.md)."""
-    import common  # torch and the evaluator: only for the measurement
+def behavior_noise_steps(passes: int) -> list[int]:
+    """The updates whose evaluation noise (seed eval_seed + step) the behaviour return's passes use: the last ones
+    of the scripts' default schedule, which their final score averages (the last 10)."""
+    defaults = common_module().RunArgs()
+    return [defaults.total_steps - defaults.eval_frequency * (passes - 1 - p) for p in range(passes)]
 
-    policy, defaults = common.BehaviorPolicy(weights, epsilon), common.RunArgs()
+
+def max_behavior_passes() -> int:
+    defaults = common_module().RunArgs()
+    return defaults.total_steps // defaults.eval_frequency
+
+
+def common_module():
+    import common  # torch and the scripts' evaluator: only to measure beta's return
+
+    return common
+
+
+def behavior_returns(env_id: str, weights: dict, epsilon: float, episodes: int, passes: int, eval_seed: int) -> np.ndarray:
+    """beta's returns [passes, episodes] as the algorithm scripts score a policy: their evaluator (common.Simulators,
+    actions drawn by common.sample from beta in float64), their start states, and the exploration noise of their last
+    `passes` evaluations (behavior_noise_steps). With the scripts' default schedule, --eval-episodes and --eval-seed
+    and sampled evaluation, a run that deploys beta over its last 10 evaluations scores the mean of these passes'
+    means (docs/experiments/2026-12-03-paired-behaviour.md)."""
+    common = common_module()
+    # the float32 weights the dataset stores, which the scripts' BehaviorPolicy reads
+    policy = common.BehaviorPolicy({k: np.asarray(v, np.float32) for k, v in weights.items()}, epsilon)
     simulators = common.Simulators(env_id, 1, episodes, eval_seed)
     act = lambda obs, u: common.sample(policy(obs.reshape(-1, obs.shape[-1])).view(*obs.shape[:-1], -1), u.double())  # noqa: E731
-    steps = [defaults.total_steps - defaults.eval_frequency * (passes - 1 - p) for p in range(passes)]
-    return np.concatenate([simulators.run(act, eval_seed + step).ravel() for step in steps])
+    return np.stack([simulators.run(act, eval_seed + step)[0] for step in behavior_noise_steps(passes)])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -325,9 +344,12 @@ def collect(args: Args, env_id: str, epsilon: float, weights: dict, behavior_pat
     next_probs = behavior_probs(weights, next_buf, epsilon)
     returns = behavior_returns(env_id, weights, epsilon, args.behavior_eval_episodes, args.behavior_eval_passes,
                                args.eval_seed)
+    # a final score's arithmetic (common.Members.finish): the mean of the evaluations' means
+    behavior_return = float(np.mean([float(r.mean()) for r in returns]))
+    returns = returns.ravel()
     settings = dict(asdict(args), epsilon=epsilon, env_id=env_id, behavior_path=str(behavior_path),
                     gymnasium_version=gym.__version__, numpy_version=np.__version__, numpy_simd=numpy_simd(),
-                    dataset_episodes=len(episode_returns),
+                    behavior_noise_steps=behavior_noise_steps(args.behavior_eval_passes), dataset_episodes=len(episode_returns),
                     dataset_episode_return_mean=float(np.mean(episode_returns)) if episode_returns else None)
     settings.pop("dataset_path"), settings.pop("overwrite")
     atomic_savez(
@@ -337,12 +359,12 @@ def collect(args: Args, env_id: str, epsilon: float, weights: dict, behavior_pat
         behavior_probs=probs.astype(np.float32), next_behavior_probs=next_probs.astype(np.float32),
         **{f"behavior_{k}": v.astype(np.float32) for k, v in weights.items()},
         epsilon=np.float64(epsilon), env_id=np.array(env_id),
-        behavior_return=np.float64(returns.mean()), behavior_return_std=np.float64(returns.std()),
+        behavior_return=np.float64(behavior_return), behavior_return_std=np.float64(returns.std()),
         format_version=np.int64(FORMAT_VERSION), settings_json=np.array(json.dumps(settings)),
         behavior_kind=np.array("epsilon_greedy"), behavior_temperature=np.float64(1.0), behavior_floor=np.float64(0.0),
     )
     print(f"wrote {out}: {N} transitions, {len(episode_returns)} episodes, "
-          f"behaviour return {returns.mean():.1f} +- {returns.std():.1f} ({len(returns)} episodes)")
+          f"behaviour return {behavior_return:.1f} +- {returns.std():.1f} ({len(returns)} episodes)")
 
 
 CREATED: list[Path] = []  # directories this invocation made: removed again (if empty) when it fails
@@ -371,8 +393,8 @@ def main(args: Args) -> None:
         fail(f"--num-transitions must lie in [1, 10000000], got {args.num_transitions}")
     if not 0 < args.behavior_eval_episodes <= 10_000:
         fail(f"--behavior-eval-episodes must lie in [1, 10000], got {args.behavior_eval_episodes}")
-    if not 0 < args.behavior_eval_passes <= 100:  # the noise of the default schedule's 100 evaluations
-        fail(f"--behavior-eval-passes must lie in [1, 100], got {args.behavior_eval_passes}")
+    if not 0 < args.behavior_eval_passes <= max_behavior_passes():  # the noise of the default schedule's evaluations
+        fail(f"--behavior-eval-passes must lie in [1, {max_behavior_passes()}], got {args.behavior_eval_passes}")
     if not args.epsilon:
         fail("--epsilon needs at least one value, e.g. --epsilon 0.15")
     if args.dataset_path is not None and len(args.epsilon) != 1:

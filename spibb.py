@@ -118,7 +118,7 @@ def make_policy(q_network: common.Stack, behavior, threshold, greedy: bool):
     """act(obs [M, E, dim], u) -> actions [M, E]: pi_spibb at the visited states (beta from the behaviour network,
     Q from q_network), sampled with the evaluation's uniforms u (seeded with eval_seed + updates so far: each
     evaluation is reproducible on its own, and the last 10 evaluations that make the final score average 10
-    independent draws, like the behaviour policy's 10 passes in `behavior_return`), or its argmax."""
+    independent draws, the noise `behavior_return` is scored with), or its argmax."""
     def act(obs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         pi = spibb_policy(q_network(obs), behavior(obs).float(), threshold)
         return pi.argmax(-1) if greedy else common.sample(pi, u)

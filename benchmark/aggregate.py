@@ -235,12 +235,17 @@ def dataset_behavior_return(path: Path) -> float:
     try:
         with np.load(path) as d:
             beh = float(d["behavior_return"])
-    except (OSError, ValueError, KeyError) as e:
-        raise AggregateError(f"--behavior-from: cannot read behavior_return from '{path}' ({e}); create the dataset "
-                             "with collect_data.py or pass the directory that holds it")
+            kind = str(d["behavior_kind"]) if "behavior_kind" in d.files else "epsilon_greedy"
+            paired = "behavior_noise_steps" in json.loads(str(d["settings_json"])) if "settings_json" in d.files else False
+    except Exception as e:  # noqa: BLE001  (a missing, truncated or foreign file: one line, whatever numpy raises)
+        raise AggregateError(f"--behavior-from: cannot read behavior_return from '{path}' ({type(e).__name__}: {e}); "
+                             "create the dataset with collect_data.py or pass the directory that holds it")
     if not math.isfinite(beh):
         raise AggregateError(f"--behavior-from: '{path}' has a behavior_return of {beh}; recreate it with "
                              "collect_data.py --overwrite")
+    if kind == "epsilon_greedy" and not paired:  # imported datasets (softmax) keep their logged episodes' mean
+        raise AggregateError(f"--behavior-from: '{path}' scored beta before the paired measurement (its settings have "
+                             "no behavior_noise_steps); recreate it with collect_data.py --overwrite")
     return round(beh, 4)
 
 
@@ -453,7 +458,8 @@ def build_report(roots: list[Path], runs: list[Run], skipped, expected_seeds: in
             summary[a]["rows"] += 1
             summary[a]["ranked"] += ranked and a in ranks
             summary[a]["top2"] += a in best
-            if beh is not None and m >= beh:
+            # exactly, in the scores' 1e-4 units: a run that deploys beta ties it, whatever the rounding of two means
+            if beh is not None and cell.selected.total * len(beh_values) >= sum(round(b * 10_000) for b in beh_values) * n:
                 summary[a]["ge_behavior"] += 1
             summary[a]["paper_top2"] += ranked and a in paper_best
             if a in paper_means and paper_beh is not None and paper_means[a] >= paper_beh:
@@ -512,9 +518,10 @@ def build_report(roots: list[Path], runs: list[Run], skipped, expected_seeds: in
            if ours else "")
         + "`n=k/N`: only k of N seeds finished; "
         "`—`: no finished run. In parentheses: the paper's value. The paper's LunarLander-v2 rows are "
-        "compared with our LunarLander-v3. Behavior: the dataset's `behavior_return`, the ε-greedy behaviour "
-        "policy scored by the same evaluator, start states and exploration noise as a run's final score (a run "
-        "that deploys β scores it exactly).",
+        "compared with our LunarLander-v3. Behavior: the dataset's `behavior_return`; since `collect_data.py` at "
+        "`ccd9aaf`, the ε-greedy behaviour policy scored by the scripts' evaluator on the same start states with the "
+        "exploration noise of a default run's last 10 evaluations (a run that deploys β ties it), before that with "
+        "an independent draw of the noise.",
         "",
     ]
     missing_rows = sorted({(env, eps) for env, eps, _ in paper} - set(rows), key=lambda r: row_key(*r))

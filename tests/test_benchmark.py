@@ -1245,8 +1245,9 @@ def test_aggregate_behavior_from_datasets(tmp_path, capsys):
         write_result(res, "CartPole-v1", 0.15, "dqn", seed, 100.0, behavior=50.0)
         write_result(res, "CartPole-v1", 1.0, "dqn", seed, 100.0, behavior=50.0)
     assert aggregate.main([str(res), "--no-plots", "--out", str(tmp_path / "a")]) == 0
-    np.savez(data / "CartPole-v1_eps0.15.npz", behavior_return=np.float64(120.123456))
-    np.savez(data / "CartPole-v1_eps1.npz", behavior_return=np.float64(20.0))
+    paired = np.array(json.dumps({"behavior_noise_steps": [100_000]}))
+    np.savez(data / "CartPole-v1_eps0.15.npz", behavior_return=np.float64(120.123456), settings_json=paired)
+    np.savez(data / "CartPole-v1_eps1.npz", behavior_return=np.float64(20.0), settings_json=paired)
     for source in ([str(res)], [str(tmp_path / "none"), "--merge-runs", str(tmp_path / "a" / "runs.csv")]):
         (tmp_path / "none").mkdir(exist_ok=True)
         out = tmp_path / f"b{len(source)}"
@@ -1254,8 +1255,25 @@ def test_aggregate_behavior_from_datasets(tmp_path, capsys):
         rows = list(csv.DictReader(open(out / "runs.csv")))
         assert sorted((r["epsilon"], r["behavior_return"]) for r in rows) == [("0.15", "120.1235")] * 2 + [("1", "20.0000")] * 2
         assert summary_rows((out / "table1.md").read_text())["DQN"][1:3] == ["2", "1"]
-    (data / "CartPole-v1_eps1.npz").unlink()
     capsys.readouterr()
-    assert aggregate.main([str(res), "--no-plots", "--behavior-from", str(data), "--out", str(tmp_path / "c")]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "CartPole-v1_eps1.npz" in err[0] and not (tmp_path / "c").exists()
+    # measured the earlier way (no noise steps recorded), a truncated file, no file: one line each, no report
+    unpaired = lambda p: np.savez(p, behavior_return=np.float64(20.0), settings_json=np.array("{}"))  # noqa: E731
+    truncated = lambda p: p.write_bytes(p.read_bytes()[:40])  # noqa: E731
+    for bad, why in ((unpaired, "before the paired measurement"), (truncated, "cannot read"),
+                     (lambda p: p.unlink(), "cannot read")):
+        bad(data / "CartPole-v1_eps1.npz")
+        assert aggregate.main([str(res), "--no-plots", "--behavior-from", str(data), "--out", str(tmp_path / "c")]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "CartPole-v1_eps1.npz" in err[0] and why in err[0] and not (tmp_path / "c").exists()
+
+
+def test_aggregate_counts_a_tie_with_beta_as_at_or_above(tmp_path):
+    """A cell whose every run scores beta's return exactly (it deploys beta) is at beta, although the float means of
+    5 scores and of the row's 15 behaviour returns differ in their last bit (29.0115 * 15 / 15 > 29.0115)."""
+    assert sum([29.0115] * 5) / 5 < sum([29.0115] * 15) / 15
+    for algo, score in (("spibb", 29.0115), ("dqn", 10.0), ("bc", 29.0114)):
+        for seed in range(1, 6):
+            write_result(tmp_path / "res", "CartPole-v1", 0.15, algo, seed, score, behavior=29.0115)
+    assert aggregate.main([str(tmp_path / "res"), "--no-plots", "--out", str(tmp_path / "out")]) == 0
+    rows = summary_rows((tmp_path / "out" / "table1.md").read_text())
+    assert [rows[label][2] for label in ("SPIBB", "DQN", "BC")] == ["1", "0", "0"]

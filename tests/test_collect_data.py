@@ -160,8 +160,27 @@ def test_behavior_return_uses_the_noise_of_the_scripts_final_evaluations(monkeyp
     weights = {f"{k}{i}": np.zeros(s, np.float32) for i, (o, n) in enumerate([(4, 32), (32, 16), (16, 2)])
                for k, s in (("w", (n, o)), ("b", (n,)))}
     returns = collect_data.behavior_returns("CartPole-v1", weights, 0.15, 3, 10, 10_000)
-    assert returns.shape == (30,)
+    assert returns.shape == (10, 3)
     for sparse in (0, 5000):
         first = common.RunArgs(eval_sparse_frequency=sparse)
         due = [s for s in range(1, first.total_steps + 1) if common.Members.due(SimpleNamespace(first=first), s)]
         assert seen == [first.eval_seed + s for s in due[-10:]]
+
+
+def test_behavior_return_is_the_final_score_of_a_run_deploying_beta(datasets):
+    """The stored behaviour return is what a member deploying beta over the last evaluations scores: beta from the
+    scripts' batched MemberBehavior (two members side by side), the noise of the recorded steps, the final score's
+    mean of the evaluations' means; equal, not close."""
+    import common
+
+    for eps in (0.15, 1.0):
+        d = load(datasets[eps])
+        settings = json.loads(str(d["settings_json"]))
+        assert settings["behavior_noise_steps"] == [common.RunArgs().total_steps]  # 1 pass in the fixture
+        policy = common.behavior_policy(d)
+        behavior = common.MemberBehavior([policy, policy], [0, 0])
+        simulators = common.Simulators("CartPole-v1", 2, settings["behavior_eval_episodes"], settings["eval_seed"])
+        scores = [simulators.run(lambda obs, u: common.sample(behavior(obs), u.double()), settings["eval_seed"] + s)
+                  for s in settings["behavior_noise_steps"]]
+        finals = [float(np.mean([float(r[m].mean()) for r in scores])) for m in range(2)]
+        assert finals == [float(d["behavior_return"])] * 2
