@@ -39,6 +39,8 @@ import gymnasium as gym
 import numpy as np
 import tyro
 
+import common  # the scripts' evaluator and defaults, which score beta's return
+
 FORMAT_VERSION = 2  # docs/formats.md
 REPO = Path(__file__).resolve().parent
 PAPER_EPSILONS = (0.05, 0.15, 0.25, 0.5, 1.0)
@@ -86,7 +88,7 @@ class Args:
     start states on which the algorithm scripts are scored (their default --eval-episodes 40, --eval-seed 10000)"""
     behavior_eval_passes: int = 10
     """passes over those start states, with the exploration noise of the scripts' last evaluations (their final score
-    averages the last 10); behavior_return is the mean of all passes' episodes (400 by default)"""
+    averages the last 10); behavior_return is the mean of the passes' means, as a final score is (400 episodes)"""
     eval_seed: int = 10_000
     """seed of the first measurement episode (episode i uses eval_seed + i)"""
     overwrite: bool = False
@@ -188,22 +190,14 @@ def run_episodes(env_id: str, weights: dict, epsilon: float, n: int, seed: int) 
     return returns
 
 
+DEFAULTS = common.RunArgs()
+MAX_BEHAVIOR_PASSES = DEFAULTS.total_steps // DEFAULTS.eval_frequency  # evaluations of the scripts' default schedule
+
+
 def behavior_noise_steps(passes: int) -> list[int]:
     """The updates whose evaluation noise (seed eval_seed + step) the behaviour return's passes use: the last ones
     of the scripts' default schedule, which their final score averages (the last 10)."""
-    defaults = common_module().RunArgs()
-    return [defaults.total_steps - defaults.eval_frequency * (passes - 1 - p) for p in range(passes)]
-
-
-def max_behavior_passes() -> int:
-    defaults = common_module().RunArgs()
-    return defaults.total_steps // defaults.eval_frequency
-
-
-def common_module():
-    import common  # torch and the scripts' evaluator: only to measure beta's return
-
-    return common
+    return [DEFAULTS.total_steps - DEFAULTS.eval_frequency * (passes - 1 - p) for p in range(passes)]
 
 
 def behavior_returns(env_id: str, weights: dict, epsilon: float, episodes: int, passes: int, eval_seed: int) -> np.ndarray:
@@ -212,7 +206,6 @@ def behavior_returns(env_id: str, weights: dict, epsilon: float, episodes: int, 
     `passes` evaluations (behavior_noise_steps). With the scripts' default schedule, --eval-episodes and --eval-seed
     and sampled evaluation, a run that deploys beta over its last 10 evaluations scores the mean of these passes'
     means (docs/experiments/2026-12-03-paired-behaviour.md)."""
-    common = common_module()
     # the float32 weights the dataset stores, which the scripts' BehaviorPolicy reads
     policy = common.BehaviorPolicy({k: np.asarray(v, np.float32) for k, v in weights.items()}, epsilon)
     simulators = common.Simulators(env_id, 1, episodes, eval_seed)
@@ -393,8 +386,8 @@ def main(args: Args) -> None:
         fail(f"--num-transitions must lie in [1, 10000000], got {args.num_transitions}")
     if not 0 < args.behavior_eval_episodes <= 10_000:
         fail(f"--behavior-eval-episodes must lie in [1, 10000], got {args.behavior_eval_episodes}")
-    if not 0 < args.behavior_eval_passes <= max_behavior_passes():  # the noise of the default schedule's evaluations
-        fail(f"--behavior-eval-passes must lie in [1, {max_behavior_passes()}], got {args.behavior_eval_passes}")
+    if not 0 < args.behavior_eval_passes <= MAX_BEHAVIOR_PASSES:  # the noise of the default schedule's evaluations
+        fail(f"--behavior-eval-passes must lie in [1, {MAX_BEHAVIOR_PASSES}], got {args.behavior_eval_passes}")
     if not args.epsilon:
         fail("--epsilon needs at least one value, e.g. --epsilon 0.15")
     if args.dataset_path is not None and len(args.epsilon) != 1:
