@@ -302,7 +302,7 @@ def _sweep(vals, gvals, gok, alpha, beta_, k):
         c_cur, w_cur = c[ar, cur], w[ar, cur]
     idx = np.stack(idx_seq, 1)
     jn = idx.shape[1] - 1
-    pts = np.take(vals.reshape(-1, 3), ((ar // (kr * bsz) * bsz + ar % bsz) * m)[:, None] + idx, 0)  # vals[m, s, idx]
+    pts = _take_rows(vals, ((ar // (kr * bsz) * bsz + ar % bsz) * m)[:, None] + idx)  # vals[member, state, idx]
     p0 = p0 + pts[:, 0, :].reshape(mm, kr, bsz, 3).sum(2)
     if jn:
         # the running max keeps each state's own events in order through the stable sort (rounding can make
@@ -313,8 +313,7 @@ def _sweep(vals, gvals, gok, alpha, beta_, k):
     delta = np.concatenate([delta, np.broadcast_to(-gvals[:, None], (mm, kr) + gvals.shape[1:])], 2)
     order = np.argsort(s_flat, axis=2, kind="stable")
     im, ir = np.arange(mm)[:, None], np.arange(kr)[None]
-    n_ev = order.shape[2]  # delta[im, ir, order] as one flat take (several times faster than the fancy index)
-    d_flat = np.take(delta.reshape(-1, 3), (order + n_ev * np.arange(mm * kr).reshape(mm, kr, 1)), 0)
+    d_flat = _take_rows(delta, order + order.shape[2] * np.arange(mm * kr).reshape(mm, kr, 1))  # delta[im, ir, order]
     path = np.concatenate([p0[:, :, None, :], np.cumsum(d_flat, 2) + p0[:, :, None, :]], 2)  # vertices of Z on the ray
     fv = path[..., 0] - kk * path[..., 1] * path[..., 2]
     dc, du, dv = d_flat[..., 0], d_flat[..., 1], d_flat[..., 2]
@@ -326,6 +325,10 @@ def _sweep(vals, gvals, gok, alpha, beta_, k):
     best_e = fall.argmax(2)
     sig_best = np.concatenate([sig, np.zeros((mm, kr, 1))], 2)[im, ir, best_e]
     return fall[im, ir, best_e], idx, order, jn, best_e, sig_best
+
+
+def _take_rows(x, rows):  # x[..., 3] at flat row numbers over its leading axes: np.take, several times a fancy index
+    return np.take(x.reshape(-1, x.shape[-1]), rows, 0)
 
 
 def _rebuild(cand, n_gen, idx, ev, jn, e, sig):
@@ -441,19 +444,18 @@ def _solve_generators(gvals, k, wbar, best_f, t_best, refine_rays=(0.0, -0.03, 0
     m, g = gvals.shape[:2]
     rows = np.arange(m)
     pos = gvals[..., 0] > 0
-    cuv_t = np.ascontiguousarray(np.moveaxis(np.where(pos[..., None], gvals, 0.0), -1, 0))  # [3, M, G]
+    cuv = np.where(pos[..., None], gvals, 0.0)
     cs, us, vs = np.moveaxis(gvals, -1, 0)
     kk = k[:, None, None]
     cos_t, sin_t = np.broadcast_to(_GRID_RAYS[0], (m, 4)), np.broadcast_to(_GRID_RAYS[1], (m, 4))
     improved, going = np.zeros(m, bool), pos.any(1)  # no generator with c_g > 0: t = 0 is optimal
     for it in range(2):
-        wgt = cos_t[..., None] * cuv_t[1][:, None] + (sin_t / wbar[:, None])[..., None] * cuv_t[2][:, None]
-        key = np.where(pos[:, None, :], -cuv_t[0][:, None] / np.maximum(wgt, TINY), np.inf)
+        wgt = cos_t[..., None] * cuv[:, None, :, 1] + (sin_t / wbar[:, None])[..., None] * cuv[:, None, :, 2]
+        key = np.where(pos[:, None, :], -cuv[:, None, :, 0] / np.maximum(wgt, TINY), np.inf)
         order = np.argsort(key, axis=2, kind="stable")  # [M, rays, G]
-        # [3, M, rays, G]: (c, u, v) in path order; a flat take is ~7x a fancy index here, and cumsum runs along rows
-        delta = np.take(cuv_t.reshape(3, -1), (order + g * rows[:, None, None]).ravel(), 1).reshape(3, *order.shape)
-        dc, du, dv = delta
-        c0, u0, v0 = np.cumsum(delta, -1) - delta
+        delta = _take_rows(cuv, order + g * rows[:, None, None])  # cuv[rows, order]: [M, rays, G, 3]
+        dc, du, dv = np.moveaxis(delta, -1, 0)
+        c0, u0, v0 = np.moveaxis(np.cumsum(delta, 2) - delta, -1, 0)
         q = -kk * du * dv
         lin = dc - kk * (u0 * dv + v0 * du)
         sig = np.minimum(np.maximum(lin / np.maximum(-2.0 * q, TINY), 0.0), 1.0)
