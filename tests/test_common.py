@@ -169,3 +169,11 @@ def test_bad_input_from_the_command_line_is_one_line(name, tmp_path):
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "unreadable" in lines[0], proc.stderr
     assert not (tmp_path / "runs").exists()
+
+
+def test_keep_freed_memory_is_taken_by_glibc():
+    import common
+
+    if platform.libc_ver()[0] != "glibc":
+        pytest.skip("glibc's malloc only")
+    assert common.keep_freed_memory()  # every mallopt setting accepted (1), not silently refused (0)
