@@ -1741,9 +1741,10 @@ def finished(result: Path) -> bool:
 
 def keep_freed_memory() -> bool:
     """glibc's malloc returns each freed array above its mmap threshold (32 MB at most) to the kernel, so the next one
-    faults its pages in again: a third of BRPO's Acrobot evaluation (the certificate's [members, 100k, |A|] arrays).
-    Large arrays stay on the heap and freed memory in the process instead, which reuses it (the same numbers; peak
-    memory ~5% higher). A no-op without glibc. Returns whether glibc took every setting."""
+    faults its pages in again: a third of BRPO's Acrobot evaluation with 25 members on one dataset (the certificate's
+    [members, 100k, |A|] arrays; 5 members' fit under the threshold). Large arrays stay on the heap and freed memory
+    in the process instead, which reuses it (the same numbers; peak memory up to ~6% higher). A no-op without glibc.
+    Returns whether glibc took every setting."""
     mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
     if mallopt is None or platform.libc_ver()[0] != "glibc":
         return False
