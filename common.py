@@ -1745,9 +1745,9 @@ def keep_freed_memory() -> bool:
     [members, 100k, |A|] arrays; 5 members' fit under the threshold). Large arrays stay on the heap and freed memory
     in the process instead, which reuses it (the same numbers; peak memory up to ~6% higher). A no-op without glibc.
     Returns whether glibc took every setting."""
-    mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
-    if mallopt is None or platform.libc_ver()[0] != "glibc":
+    if platform.libc_ver()[0] != "glibc":  # checked first: ctypes.CDLL(None) is glibc's symbols here, not everywhere
         return False
+    mallopt = ctypes.CDLL(None).mallopt
     # M_MMAP_THRESHOLD, M_TRIM_THRESHOLD, M_TOP_PAD (malloc.h): no mmap below 1 GB, no trim, grow by 256 MB
     return all(mallopt(option, value) == 1 for option, value in ((-3, 1 << 30), (-1, 1 << 30), (-2, 1 << 28)))
 
