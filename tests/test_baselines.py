@@ -334,18 +334,23 @@ def test_klq_weight_zero_and_spibb_threshold_zero_are_dqn(data, tmp_path):
 
 
 def test_cql_alpha_zero_is_dqn(data, tmp_path):
-    """At alpha 0 cql_discrete.py trains dqn_offline.py's network bit for bit (the regulariser's zero gradient
-    adds exact zeros); at alpha 1 it does not."""
+    """At alpha 0 cql_discrete.py trains dqn_offline.py's network with Huber's loss (CQL's default, departure 2) bit
+    for bit (the regulariser's zero gradient adds exact zeros), and with the squared error at --huber-delta 0; at
+    alpha 1 it does not."""
     nets = {}
-    for name, overrides in (("cql_discrete.py", dict(cql_alpha=0.0)), ("dqn_offline.py", {}),
+    for name, overrides in (("cql_discrete.py", dict(cql_alpha=0.0)), ("dqn_offline.py", dict(huber_delta=1.0)),
+                            ("cql_discrete.py", dict(cql_alpha=0.0, huber_delta=0.0)), ("dqn_offline.py", {}),
                             ("cql_discrete.py", dict(cql_alpha=1.0))):
         run_name = name + str(overrides)
         train_in_process(load_script(name), data[0.05], 0.05, tmp_path, run_name, save_model=True, **overrides)
         nets[run_name] = torch.load(tmp_path / run_name / "model.pt", weights_only=True)["q_network"]
-    dqn, alpha0, alpha1 = (nets[k] for k in ("dqn_offline.py{}", "cql_discrete.py{'cql_alpha': 0.0}",
-                                             "cql_discrete.py{'cql_alpha': 1.0}"))
-    assert all(torch.equal(dqn[k], alpha0[k]) for k in dqn)
-    assert not all(torch.equal(dqn[k], alpha1[k]) for k in dqn)
+    dqn_huber, alpha0, dqn, alpha0_squared, alpha1 = (nets[k] for k in (
+        "dqn_offline.py{'huber_delta': 1.0}", "cql_discrete.py{'cql_alpha': 0.0}", "dqn_offline.py{}",
+        "cql_discrete.py{'cql_alpha': 0.0, 'huber_delta': 0.0}", "cql_discrete.py{'cql_alpha': 1.0}"))
+    assert all(torch.equal(dqn_huber[k], alpha0[k]) for k in dqn)
+    assert all(torch.equal(dqn[k], alpha0_squared[k]) for k in dqn)
+    assert not all(torch.equal(dqn[k], dqn_huber[k]) for k in dqn)  # the default loss is not the squared error
+    assert not all(torch.equal(dqn_huber[k], alpha1[k]) for k in dqn)
 
 
 def test_cql_alpha_is_a_member_flag(cql, data, tmp_path, monkeypatch):
