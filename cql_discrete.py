@@ -15,9 +15,8 @@ Departs from the CQL paper in:
 2. The TD loss is Huber's (--huber-delta 1) on one Q-value, where the QR-DQN the paper's discrete experiments build
    on has a quantile Huber loss (kappa = 1); d3rlpy's DiscreteCQL has this one. Its quadratic part has eq. 4's 1/2,
    so alpha here is eq. 4's alpha. `--huber-delta 0` takes dqn_offline.py's squared error (the BRPO paper's
-   Algorithm 1) without the 1/2: alpha = 1 is then eq. 4's alpha = 0.5. On the 15 datasets, 5 seeds, the squared
-   error leaves CQL far below the standard CQL on uniform data (CartPole eps = 1: 162 against 497; normalised
-   improvement -0.14 against 0.13 over the 15 rows: docs/experiments/2026-12-06-cql-loss.md).
+   Algorithm 1) without the 1/2: alpha = 1 is then eq. 4's alpha = 0.5, and CQL falls far short on uniform data
+   (docs/experiments/2026-12-06-cql-loss.md).
 3. alpha is fixed: the paper's Lagrangian variant, which tunes alpha to a threshold on the gap, is not here.
    The backup is DQN's max over the target network (the greedy policy as pi_k in eq. 4's Bellman operator), not
    d3rlpy's double-Q target.
