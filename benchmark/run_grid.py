@@ -465,6 +465,9 @@ def unknown_flag_warnings(grid: dict, repo: Path | None = None) -> list[str]:
 # result validation (shared with aggregate.py)
 # --------------------------------------------------------------------------------------------
 def _same(a, b) -> bool:
+    if isinstance(a, (list, tuple)) or isinstance(b, (list, tuple)):  # a multi-value flag (--deploy-pessimism 0 1)
+        a, b = (list(x) if isinstance(x, (list, tuple)) else [x] for x in (a, b))  # records [0.0] for a requested 0
+        return len(a) == len(b) and all(map(_same, a, b))
     if isinstance(a, bool) or isinstance(b, bool):
         return a == b
     if isinstance(a, (int, float)) and isinstance(b, (int, float)):

@@ -435,6 +435,19 @@ def test_expected_evaluations_are_counted_as_the_scripts_evaluate():
     assert run_grid.expected_evaluations("x", 1) is None and run_grid.expected_evaluations(10, 0) is None
 
 
+def test_check_result_compares_a_multi_value_flag_with_its_request(tmp_path):
+    """A flag that takes several values (brpo.py's --deploy-pessimism) is recorded as a list: a requested 0 matches a
+    recorded [0.0] (the run is finished, not failed), and other values or lengths still do not."""
+    path = tmp_path / "result.json"
+    path.write_text(json.dumps({"final_score": 1.0, "evaluations": [{"step": 1, "return_mean": 1.0}],
+                                "args": {"deploy_pessimism": [0.0], "mu": 0.5}}))
+    assert run_grid.check_result(path, None, {"deploy_pessimism": 0, "mu": 0.5}) is None
+    assert run_grid.check_result(path, None, {"deploy_pessimism": [0]}) is None
+    assert "deploy_pessimism" in run_grid.check_result(path, None, {"deploy_pessimism": 1})
+    assert "deploy_pessimism" in run_grid.check_result(path, None, {"deploy_pessimism": [0, 1]})
+    assert "mu" in run_grid.check_result(path, None, {"mu": [0.5, 0.9]})
+
+
 def test_run_creates_datasets_then_results_and_resumes(repo, tmp_path, capsys):
     out = tmp_path / "out"
     assert run_grid.main(small_grid_args(repo, out)) == 0
