@@ -156,9 +156,10 @@ def check_args(args, allow_inf: tuple = ()) -> None:
             fail(f"{flag(name)} must lie in [0, 2**32), got {getattr(args, name)}")
     for name in ("run_name", "exp_name"):  # a run directory is <runs-dir>/<relative path>, never outside it
         value, parts = getattr(args, name), (getattr(args, name) or "").split("/") if name == "run_name" else [getattr(args, name)]
-        # 255 bytes: the file systems' limit per name (checked for the template, then for each member's name)
+        # 255 bytes: the file systems' limit per name (a members' template is checked once formatted, per member)
+        template = name == "run_name" and bool(args.seeds or args.epsilons or args.sweep)
         if value is not None and (not value.isprintable() or len(value.encode()) > 1000 or any(
-                v in ("", ".", "..") or "\\" in v or "/" in v or len(v.encode()) > 255 for v in parts)):
+                v in ("", ".", "..") or "\\" in v or "/" in v or len(v.encode()) > 255 and not template for v in parts)):
             fail(f"{flag(name)} must be " + ("a relative path of directory names" if name == "run_name" else
                  "a single directory name") + f" of printable characters, at most 255 bytes each and 1000 in all "
                  f"(no '..'), got {value!r}")

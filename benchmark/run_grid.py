@@ -412,9 +412,9 @@ def expand_grid(envs, epsilons, algos, seeds, grid: dict | None = None) -> list[
             value_lists = [list(dict.fromkeys(params[k])) for k in keys]  # dedupe, keep order
             for combo in itertools.product(*value_lists):
                 hp = tuple(zip(keys, combo))
-                # a configuration's directory name, as a value or as the processes' {key} placeholder: a file name
-                longest = algo + "__" + ",".join(f"{k}={max(fmt_value(v), '{' + k + '}', key=len)}" for k, v in hp)
-                if len(longest.encode()) > 255:
+                # a configuration's directory name is a file name (the processes' {key} templates are checked
+                # by the scripts once formatted)
+                if len((algo + "__" + ",".join(f"{k}={fmt_value(v)}" for k, v in hp)).encode()) > 255:
                     raise GridError(f"the configuration names of {algo} over {', '.join(keys)} exceed the 255 bytes "
                                     "of a file name; sweep fewer flags in one grid entry")
                 for seed in seeds:

@@ -169,7 +169,8 @@ def test_the_runners_run_names_for_the_whole_paper_sweep_are_accepted_by_the_scr
         module = importlib.util.module_from_spec(spec)
         sys.modules[spec.name] = module
         spec.loader.exec_module(module)
-        common.check_args(dataclasses.replace(module.Args(), run_name=template))  # SystemExit if refused
+        # SystemExit if refused; the runner always passes --seeds, so the members' names are checked once formatted
+        common.check_args(dataclasses.replace(module.Args(), run_name=template, seeds=(1,)))
 
 
 def test_sweep_expansion_counts_and_dedup():
@@ -195,9 +196,14 @@ def test_paper_sweep_file_matches_paper_ranges():
     assert brpo["kappa_max"] == brpo_c["kappa_max"] == [0.001, 0.005, 0.02]  # the temperature
     assert brpo["penalty_scale"] == [0.1, 0]  # ours: how far BRPO moves on uniform data
     # ours, BRPO's second block: a conservative critic without the pessimism term, the rest of the first block
-    assert {k: v for k, v in brpo_cql.items() if k not in ("cql_alpha", "pessimism", "kappa_max")} == {
-        k: v for k, v in brpo.items() if k != "kappa_max"}
+    critic_only = ("cql_alpha", "pessimism", "kappa_max", "deploy_pessimism")
+    assert {k: v for k, v in brpo_cql.items() if k not in critic_only} == {
+        k: v for k, v in brpo.items() if k not in critic_only}
     assert (brpo_cql["cql_alpha"], brpo_cql["pessimism"], brpo_cql["kappa_max"]) == ([0.1], [0], [0.001])
+    # the flags the committed report ran with, named since the defaults moved (pessimism 0 with a fallback to 1):
+    # the first block trains at pessimism 1, the critic blocks deploy their trained pi at level 0 alone
+    assert brpo["pessimism"] == [1] and "deploy_pessimism" not in brpo
+    assert brpo_cql["deploy_pessimism"] == brpo_alpha["deploy_pessimism"] == [0]
     # its third block: the critic's alpha on either side of 0.1, at the extreme mu values and lr 1e-4 only
     narrowed = ("cql_alpha", "mu", "confidence_learning_rate")
     assert {k: v for k, v in brpo_alpha.items() if k not in narrowed} == {
@@ -349,8 +355,8 @@ def test_packs_never_train_a_cell_outside_the_grid():
     (["--sweep", "dqn:seeds=3"], "'seeds' is set by the runner and cannot be swept"),
     (["--sweep", "dqn:overwrite=1"], "'overwrite' is set by the runner and cannot be swept"),
     (["--algos", "brpo", *(x for k in ("mu", "kappa_max", "penalty_scale", "cql_alpha", "pessimism", "learning_rate",
-                                       "target_update_frequency", "tau", "batch_size", "gamma", "confidence_learning_rate")
-                           for x in ("--sweep", f"brpo:{k}=1"))], "exceed the 255 bytes of a file name"),
+                                       "tau", "gamma", "confidence_learning_rate")
+                           for x in ("--sweep", f"brpo:{k}=0.123456789012345"))], "exceed the 255 bytes of a file name"),
     (["--sweep", "brpo:lam=0.5"], "--lam is not a flag of brpo.py"),
     (["--grid", "/nonexistent.json"], "not found"),
     (["--seeds", "-1"], "seeds must lie in"),
