@@ -230,17 +230,35 @@ def pack_cells(cells: list[Cell], repo: Path, max_members: int, grid: list[Cell]
                        ).run_name in names for e in {c.epsilon for c in members} for s in {c.seed for c in members}
                    for combo in itertools.product(*values))
 
+    def products(members: list[Cell], keys: list[str]) -> list[list[Cell]]:
+        """A union of products (a grid file's blocks alike in their flags, e.g. BRPO's critic blocks) split by one
+        flag's values at a time, the flag leaving the most members in complete parts first, until each is a product."""
+        if complete(members) or not keys:
+            return [members]
+        best = None
+        for k in keys:
+            parts: dict = {}
+            for c in members:
+                parts.setdefault(dict(c.hparams)[k], []).append(c)
+            done = sum(len(p) for p in parts.values() if complete(p))
+            if len(parts) > 1 and (best is None or done > best[0]):
+                best = (done, k, list(parts.values()))
+        if best is None:
+            return [members]
+        return [q for p in best[2] for q in products(p, [k for k in keys if k != best[1]])]
+
     groups: dict = {}
     for c in cells:
         fixed = tuple((k, v) for k, v in c.hparams if k not in flags[c.algo])
         swept = tuple(k for k, _ in c.hparams if k in flags[c.algo])
         groups.setdefault((c.env_id, c.algo, fixed, swept), []).append(c)
+    groups = {key + (i,): part for key, members in groups.items() for i, part in enumerate(products(members, list(key[3])))}
     for by in (lambda c: c.hparams, lambda c: (c.hparams, c.epsilon)):  # split only where needed
         split: dict = {}
         for key, members in groups.items():
             whole = complete(members)
             for c in members:
-                split.setdefault(key if whole else key[:4] + (by(c),), []).append(c)
+                split.setdefault(key if whole else key[:5] + (by(c),), []).append(c)
         groups = split
     packs = []
     for (env_id, algo, fixed, *_), members in groups.items():

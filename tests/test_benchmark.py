@@ -315,6 +315,12 @@ def test_packs_are_as_few_as_the_bound_allows():
     packs = run_grid.pack_cells(expand_grid(["CartPole-v1"], run_grid.PAPER_EPSILONS, ["brpo_c"], [1, 2, 3, 4, 5],
                                             grid), BENCH.parent, 100)
     assert len(packs) == 15 and all(p.size == 75 and len(p.epsilons) == 1 for p in packs)
+    # BRPO's critic blocks share their flags: their union is split by cql_alpha into its products (12, 4 and 4
+    # configurations x 25 runs), 14 processes of 100 with the first block's 36, not one per critic configuration (29)
+    packs = run_grid.pack_cells(expand_grid(["CartPole-v1"], run_grid.PAPER_EPSILONS, ["brpo"], [1, 2, 3, 4, 5],
+                                            grid), BENCH.parent, 100)
+    assert len(packs) == 14 and all(p.size == 100 == len(p.cells) for p in packs)
+    assert sorted(tuple(p.swept.get("cql_alpha", ())) for p in packs) == [()] * 9 + [(0.03,)] + [(0.1,)] * 3 + [(0.3,)]
     assert run_grid.fewest_parts([5, 5], 10) == (3, 1)
     assert run_grid.split_evenly([1, 2, 3, 4, 5], 3) == [[1, 2], [3, 4], [5]]
     assert run_grid.fewest_parts([5, 3, 5], 1) == (5, 3, 5) and run_grid.fewest_parts([5, 3, 5], 75) == (1, 1, 1)
