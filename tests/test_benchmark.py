@@ -352,6 +352,25 @@ def test_packs_never_train_a_cell_outside_the_grid():
     assert pack.size == len(full) and len(pack.cells) == len(pending)
 
 
+def test_packs_of_random_unions_of_products_train_exactly_the_grid():
+    """Random grid files of overlapping blocks alike in their flags (BRPO's member flags), some runs finished: every
+    pending cell is in exactly one process, and every member a process trains (its epsilons x values x seeds) is a
+    cell of the grid."""
+    rng = random.Random(1)
+    values = {"mu": [0.1, 0.5, 0.9], "cql_alpha": [0.03, 0.1, 0.3], "penalty_scale": [0, 0.1], "kappa_max": [0.001, 0.02]}
+    for _ in range(40):
+        blocks = [{k: rng.sample(v, rng.randint(1, len(v))) for k, v in values.items()} for _ in range(rng.randint(1, 4))]
+        full = expand_grid(["CartPole-v1"], [0.05, 0.5], ["brpo"], [1, 2], {"brpo": blocks})
+        pending = [c for c in full if rng.random() < 0.8] or full
+        names = {c.run_name for c in full}
+        packs = run_grid.pack_cells(pending, BENCH.parent, rng.choice([4, 25, 100]), full)
+        assert sorted(c.run_name for p in packs for c in p.cells) == sorted(c.run_name for c in pending)
+        for pack in packs:
+            trained = {Cell(pack.env_id, e, "brpo", seed, tuple(sorted(zip(pack.swept, combo)))).run_name
+                       for e in pack.epsilons for seed in pack.seeds for combo in itertools.product(*pack.swept.values())}
+            assert trained <= names and len(trained) == pack.size
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--algos", "sac"], "unknown algorithm 'sac'"),
     (["--envs", "Pong-v5"], "unknown env 'Pong-v5'"),
