@@ -1451,9 +1451,11 @@ def member_args(args, check, member_flags: tuple = ()) -> list:
                 named = [f for f, _ in parsed]
                 if any(f not in text for f in named):
                     raise KeyError(next(f for f in named if f not in text))
-                # a width such as {seed:>100000000} would build the name before its length is checked
-                require(all(int(w) <= 255 for _, spec in parsed for w in re.findall(r"\d+", spec or "")),
-                        f"--run-name {args.run_name[:100]!r}: a field's width may be at most 255")
+                # a width such as {seed:>100000000}, or one read from a nested field ({epsilon:{seed}}), would build
+                # the name before its length is checked
+                require(all("{" not in (spec or "") and all(int(w) <= 255 for w in re.findall(r"\d+", spec or ""))
+                            for _, spec in parsed), f"--run-name {args.run_name[:100]!r}: a field's width may be at "
+                        "most 255, and not another field's value")
                 a = replace(a, run_name=args.run_name.format(**text))
             except (KeyError, IndexError, ValueError) as e:
                 fail(f"--run-name {args.run_name!r}: a template may name {{{'}, {'.join(text)}}}, not {e}")

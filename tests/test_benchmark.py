@@ -13,6 +13,7 @@ import json
 import math
 import os
 import random
+import shlex
 import signal
 import subprocess
 import sys
@@ -150,27 +151,34 @@ def test_paper_grid_counts_and_unique_names():
 
 
 def test_the_runners_run_names_for_the_whole_paper_sweep_are_accepted_by_the_scripts(capsys):
-    """The run-name template of every process of the full sweep (all of an algorithm's flags in the name) passes
-    the scripts' own --run-name check (it once refused BRPO's seven-flag template)."""
+    """Every process of the full sweep (all of an algorithm's flags in the name), as the runner writes it, passes the
+    scripts' own checks: its template (it once refused BRPO's seven-flag template; BRPO's longest is now over the
+    255 bytes of a file name, which only the formatted names must respect) and each member's formatted name."""
     sys.path.insert(0, str(BENCH.parent))
     import common
     assert run_grid.main(["--dry-run", "--no-collect", "--out", "/nonexistent/runs", "--envs", "LunarLander-v3",
                           "--epsilons", "0.05", "--seeds", "1", "--algos", *ALGORITHMS,
                           "--grid", str(BENCH / "paper_sweep.json")]) == 0
-    templates = {}
+    modules, longest, members = {}, 0, 0
     for line in capsys.readouterr().out.splitlines():
-        if "--run-name" in line:
-            script = line.split()[1]
-            templates[script] = max(templates.get(script, ""), line.split("--run-name ")[1].strip("'"), key=len)
-    assert set(templates) == {script for script, _ in ALGORITHMS.values()}
-    assert max(map(len, templates.values())) > 200  # BRPO's: the case the scripts refused
-    for script, template in templates.items():
-        spec = importlib.util.spec_from_file_location(f"names_{script[:-3]}", BENCH.parent / script)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module
-        spec.loader.exec_module(module)
-        # SystemExit if refused; the runner always passes --seeds, so the members' names are checked once formatted
-        common.check_args(dataclasses.replace(module.Args(), run_name=template, seeds=(1,)))
+        if "--run-name" not in line:
+            continue
+        argv = shlex.split(line)
+        script, template = argv[1], argv[argv.index("--run-name") + 1]
+        if script not in modules:
+            spec = importlib.util.spec_from_file_location(f"names_{script[:-3]}", BENCH.parent / script)
+            modules[script] = importlib.util.module_from_spec(spec)
+            sys.modules[spec.name] = modules[script]
+            spec.loader.exec_module(modules[script])
+        sweep = argv[argv.index("--sweep") + 1:argv.index("--threads")] if "--sweep" in argv else []
+        args = dataclasses.replace(modules[script].Args(), env_id="LunarLander-v3", epsilons=(0.05,), seeds=(1,),
+                                   sweep=tuple(sweep), run_name=template)
+        common.check_args(args)  # SystemExit if refused
+        runs = common.member_args(args, common.check_args, getattr(modules[script], "MEMBER_FLAGS", ()))
+        assert all(len(part.encode()) <= 255 for a in runs for part in a.run_name.split("/"))
+        longest, members = max(longest, *(len(part.encode()) for part in template.split("/"))), members + len(runs)
+    assert set(modules) == {script for script, _ in ALGORITHMS.values()}
+    assert longest > 255 and members == 9 + 135 * 3 + (108 + 36 + 24) * 3 + 36 * 3 + 3 + 9 * 5
 
 
 def test_sweep_expansion_counts_and_dedup():
@@ -353,20 +361,23 @@ def test_packs_never_train_a_cell_outside_the_grid():
 
 
 def test_packs_of_random_unions_of_products_train_exactly_the_grid():
-    """Random grid files of overlapping blocks alike in their flags (BRPO's member flags), some runs finished: every
+    """Random grid files of overlapping blocks (BRPO's member flags, in some blocks a fixed flag), some runs finished: every
     pending cell is in exactly one process, and every member a process trains (its epsilons x values x seeds) is a
     cell of the grid."""
     rng = random.Random(1)
     values = {"mu": [0.1, 0.5, 0.9], "cql_alpha": [0.03, 0.1, 0.3], "penalty_scale": [0, 0.1], "kappa_max": [0.001, 0.02]}
     for _ in range(40):
         blocks = [{k: rng.sample(v, rng.randint(1, len(v))) for k, v in values.items()} for _ in range(rng.randint(1, 4))]
+        for block in blocks:  # a flag no member may vary, in some blocks: separate processes
+            if rng.random() < 0.5:
+                block["deploy_pessimism"] = [rng.choice([0, 1])]
         full = expand_grid(["CartPole-v1"], [0.05, 0.5], ["brpo"], [1, 2], {"brpo": blocks})
         pending = [c for c in full if rng.random() < 0.8] or full
         names = {c.run_name for c in full}
         packs = run_grid.pack_cells(pending, BENCH.parent, rng.choice([4, 25, 100]), full)
         assert sorted(c.run_name for p in packs for c in p.cells) == sorted(c.run_name for c in pending)
         for pack in packs:
-            trained = {Cell(pack.env_id, e, "brpo", seed, tuple(sorted(zip(pack.swept, combo)))).run_name
+            trained = {Cell(pack.env_id, e, "brpo", seed, tuple(sorted([*pack.fixed, *zip(pack.swept, combo)]))).run_name
                        for e in pack.epsilons for seed in pack.seeds for combo in itertools.product(*pack.swept.values())}
             assert trained <= names and len(trained) == pack.size
 

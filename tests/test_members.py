@@ -221,6 +221,7 @@ def test_member_names_sweeps_and_skip_finished(datasets, tmp_path):
                            (["--seeds", "1", "2", "--run-name", "{seed.__class__}/{seed}"], "not 'seed.__class__'"),
                            (["--seeds", "1", "2", "--run-name", "{seed:>100000000}"], "width may be at most 255"),
                            (["--seeds", "1", "2", "--run-name", "a" * 255 + "{seed}"], "at most 255 bytes each"),
+                           (["--seeds", "1", "2", "--run-name", "{epsilon:{seed}}"], "not another field's value"),
                            (["--seeds", "1", "2", "1"], "--seeds lists 1 more than once"),
                            (["--epsilons", "0.15", "0.150000001"], "--epsilons lists 0.15 more than once"),
                            (["--seeds", "1", "--run-name", "w0/s1"], "holds a finished run")):
