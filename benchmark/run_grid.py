@@ -267,10 +267,13 @@ def pack_cells(cells: list[Cell], repo: Path, max_members: int, grid: list[Cell]
             list(dict.fromkeys(dict(c.hparams)[k] for c in members)) for k in swept_keys],
             list(dict.fromkeys(c.seed for c in members))]
         chunks = [split_evenly(d, k) for d, k in zip(dims, fewest_parts([len(d) for d in dims], max_members))]
-        for combo in itertools.product(*chunks):
-            eps, seeds, values = set(combo[0]), set(combo[-1]), [set(v) for v in combo[1:-1]]
-            inside = [c for c in members if c.epsilon in eps and c.seed in seeds and all(
-                dict(c.hparams)[k] in v for k, v in zip(swept_keys, values))]
+        where = [{v: i for i, chunk in enumerate(cs) for v in chunk} for cs in chunks]  # a value's chunk, per dimension
+        held: dict = {}  # each member under its chunks' indices, in the members' order
+        for c in members:
+            coords = (c.epsilon, *(dict(c.hparams)[k] for k in swept_keys), c.seed)
+            held.setdefault(tuple(w[v] for w, v in zip(where, coords)), []).append(c)
+        for index in itertools.product(*(range(len(cs)) for cs in chunks)):
+            combo, inside = [cs[i] for cs, i in zip(chunks, index)], held.get(index)
             if inside:
                 packs.append(Pack(env_id, algo, fixed, list(combo[0]), dict(zip(swept_keys, combo[1:-1])),
                                   list(combo[-1]), inside))
