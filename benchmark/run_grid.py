@@ -217,8 +217,9 @@ def pack_cells(cells: list[Cell], repo: Path, max_members: int, grid: list[Cell]
     """Every cell in exactly one pack: cells of one task, algorithm and non-member settings share a pack, split into
     as few packs of at most max_members members as the grid's dimensions allow (fewest_parts). A process
     trains every combination of its epsilons, values and seeds: where that would include a cell outside the grid
-    (grid: all its cells, finished ones too; default: cells), e.g. the per-cell configurations of --cells, the cells
-    are first grouped by configuration, then by configuration and epsilon."""
+    (grid: all its cells, finished ones too; default: cells), the cells are split into the products their union is
+    made of (products below), then, where that is not enough (e.g. the per-cell configurations of --cells), grouped
+    by configuration, then by configuration and epsilon."""
     flags = {a: member_flags(Path(repo) / ALGORITHMS[a][0]) for a in dict.fromkeys(c.algo for c in cells)}
     names = {c.run_name for c in (cells if grid is None else grid)}
 
