@@ -644,9 +644,8 @@ def train(runs: common.Members) -> None:
     first, M, B = runs.first, runs.M, runs.first.batch_size
     p = common.columns(runs.args, *FLAGS)
     obs, next_obs, rewards = runs.tensor("observations"), runs.tensor("next_observations"), runs.tensor("rewards")
-    actions = runs.tensor("actions")
-    gamma32, not_done = torch.from_numpy(p.gamma.astype(np.float32)), 1.0 - runs.tensor("terminals").float()  # timeouts
-    # are not terminal: bootstrapped
+    actions, not_done = runs.tensor("actions"), 1.0 - runs.tensor("terminals").float()  # timeouts: bootstrapped
+    gamma32 = torch.from_numpy(p.gamma.astype(np.float32))
     # beta in float64, renormalised: sum_a (rho - beta) must be 0 to ~1e-16 for the equality constraint
     beta_all = runs.tensor("behavior_probs").double().numpy()
     beta_all /= beta_all.sum(1, keepdims=True)
@@ -688,6 +687,7 @@ def train(runs: common.Members) -> None:
             if runs.alive[m]:
                 runs.drop(m, f"training diverged: the critic's values are NaN or inf after {step - 1} updates; try a "
                              "lower --learning-rate")
+            q64[m] = 0.0  # a dropped member's numbers are discarded: zeros, not NaN in every array below
         q_taken = q_all.gather(-1, batch(actions).unsqueeze(-1)).squeeze(-1)
         td_loss = td_loss_of(q_taken, td_target)  # [M]: each member's mean TD loss
         # departure 13: a conservative critic, CQL(H)'s alpha E_s[logsumexp_a Q(s, a) - Q(s, a_data)] (Kumar et al. eq. 4)

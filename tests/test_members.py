@@ -183,12 +183,13 @@ def test_td_loss_is_the_squared_error_or_hubers_per_member():
     assert torch.equal(common.td_loss(torch.zeros(3, 1))(q, target), (q - target).square().mean(1))
 
 
-def test_a_diverging_member_fails_alone(datasets, tmp_path):
-    """--sweep learning-rate=1e-3,1e30: the second member's weights overflow; it fails in one line and leaves no
-    result.json, the first finishes; the exit status says a run failed."""
-    proc = run_in_process([REPO / "dqn_offline.py", "--dataset-path", datasets[0.15], "--runs-dir", tmp_path,
+@pytest.mark.parametrize("script", ALGORITHMS)
+def test_a_diverging_member_fails_alone(script, datasets, tmp_path):
+    """--sweep learning-rate=1e-3,1e30: the second member's weights overflow; it fails in one line (no warning about
+    its NaN either) and leaves no result.json, the first finishes; the exit status says a run failed."""
+    proc = run_in_process([REPO / script, "--dataset-path", datasets[0.15], "--runs-dir", tmp_path,
                            "--run-name", "lr{learning_rate}", "--sweep", "learning-rate=0.001,1e30", "--total-steps",
-                           "300", "--eval-frequency", "100", "--eval-episodes", "2", "--no-tensorboard"])
+                           "100", "--eval-frequency", "100", "--eval-episodes", "2", "--no-tensorboard"])
     assert proc.returncode == 1, proc.stderr
     errors = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(errors) == 1 and "lr1e+30" in errors[0] and "training diverged" in errors[0]
