@@ -3,9 +3,11 @@
 
     python benchmark/headline_table.py benchmark/table1_result benchmark/paper_protocol_result
 
-Reads each directory's configs.csv (the selected configuration of every cell, as aggregate.py wrote it; the protocol's
-numbers are its selection seeds, the paper's own protocol), the behaviour returns from both directories' runs.csv (they
-must agree: the same datasets) and the paper's numbers from benchmark/paper_table1.csv; prints the Markdown table.
+Reads each directory's configs.csv (the selected configuration of every cell and its seeds, as aggregate.py wrote
+them; the protocol's numbers are its selection seeds, the paper's own protocol), averages those runs' final scores
+from its runs.csv as aggregate.py does (configs.csv's mean has 4 decimals: rounded again to 1, 64.14998 would print
+64.2 where table1.md prints 64.1), takes the behaviour returns from both directories' runs.csv (they must agree: the
+same datasets) and the paper's numbers from benchmark/paper_table1.csv; prints the Markdown table.
 "—": no result for that cell.
 """
 from __future__ import annotations
@@ -33,15 +35,30 @@ def number(row: dict, column: str, path: Path) -> float:
 
 
 def selected_means(result_dir: Path) -> dict:
-    path = result_dir / "configs.csv"
-    means = {}
-    for r in read_table(path, ("env_id", "epsilon", "algorithm", "selected", "mean"), f"'{path}'", "a configs.csv"):
+    path, runs_path = result_dir / "configs.csv", result_dir / "runs.csv"
+    selected = {}
+    for r in read_table(path, ("env_id", "epsilon", "algorithm", "config", "selected", "mean", "seeds"), f"'{path}'",
+                        "a configs.csv"):
         if r["selected"] == "1":
             key = (r["env_id"], round(number(r, "epsilon", path), 6), r["algorithm"])
-            if key in means:  # aggregate.py selects one configuration per cell
+            if key in selected:  # aggregate.py selects one configuration per cell
                 raise AggregateError(f"'{path}': two selected configurations for {key[2]} on {key[0]} eps {key[1]:g}; "
                                      "regenerate it with benchmark/aggregate.py")
-            means[key] = number(r, "mean", path)
+            selected[key] = (r["config"], set(r["seeds"].split()), number(r, "mean", path))
+    scores = {key: [] for key in selected}
+    for r in read_table(runs_path, ("env_id", "epsilon", "algorithm", "config", "seed", "final_score"),
+                        f"'{runs_path}'", "a runs.csv"):
+        key = (r["env_id"], round(number(r, "epsilon", runs_path), 6), r["algorithm"])
+        if key in selected and r["config"] == selected[key][0] and r["seed"] in selected[key][1]:
+            scores[key].append(number(r, "final_score", runs_path))
+    means = {}
+    for key, (config, seeds, listed) in selected.items():
+        m = sum(scores[key]) / len(scores[key]) if len(scores[key]) == len(seeds) else math.nan
+        if not abs(m - listed) <= 5e-5:  # configs.csv's 4 decimals
+            raise AggregateError(f"'{result_dir}': the runs of {key[2]} ({config}) on {key[0]} eps {key[1]:g} in runs.csv "
+                                 f"do not give configs.csv's mean {listed:g} over seeds {' '.join(sorted(seeds))}; "
+                                 "regenerate both with benchmark/aggregate.py")
+        means[key] = m
     return means
 
 

@@ -1282,14 +1282,40 @@ def test_readme_headline_table_is_what_the_committed_results_give(tmp_path):
     assert proc.returncode == 1 and proc.stdout == "" and len(proc.stderr.strip().splitlines()) == 1
     assert "needs the columns" in proc.stderr and "selected" in proc.stderr
     assert proc.stderr.startswith("headline_table.py: error:")
-    (bad / "configs.csv").write_text("env_id,epsilon,algorithm,selected,mean\nCartPole-v1,0.05,BRPO,1,nan\n")
+    header = "env_id,epsilon,algorithm,config,selected,mean,seeds\n"
+    (bad / "configs.csv").write_text(header + "CartPole-v1,0.05,BRPO,default,1,nan,1\n")
     proc = subprocess.run([sys.executable, str(BENCH / "headline_table.py"), str(BENCH / "table1_result"), str(bad)],
                           capture_output=True, text=True)
     assert proc.returncode == 1 and proc.stdout == "" and "bad mean 'nan'" in proc.stderr
-    (bad / "configs.csv").write_text("env_id,epsilon,algorithm,selected,mean\n" + "CartPole-v1,0.05,BRPO,1,1.0\n" * 2)
+    (bad / "configs.csv").write_text(header + "CartPole-v1,0.05,BRPO,default,1,1.0,1\n" * 2)
     proc = subprocess.run([sys.executable, str(BENCH / "headline_table.py"), str(BENCH / "table1_result"), str(bad)],
                           capture_output=True, text=True)
     assert proc.returncode == 1 and proc.stdout == "" and "two selected configurations for BRPO" in proc.stderr
+    (bad / "configs.csv").write_text(header + "CartPole-v1,0.05,BRPO,default,1,248.0,1 2 3 4 5\n")  # runs: 248.1805
+    proc = subprocess.run([sys.executable, str(BENCH / "headline_table.py"), str(BENCH / "table1_result"), str(bad)],
+                          capture_output=True, text=True)
+    assert proc.returncode == 1 and proc.stdout == "" and "do not give configs.csv's mean 248 " in proc.stderr
+
+
+def test_headline_table_prints_the_reports_own_means():
+    """Each headline cell is the mean table1.md prints for that cell (mean of the runs, rounded once: configs.csv's
+    4-decimal mean rounded again once printed 64.2 for table1.md's 64.1)."""
+    import headline_table
+    for directory, column in (("table1_result", 0), ("paper_protocol_result", 1)):
+        printed = {}
+        for line in (BENCH / directory / "table1.md").read_text().splitlines():
+            cells = [c.strip() for c in line.strip().strip("|").split("|")]
+            if len(cells) > 8 and "-v" in cells[0] and cells[0].rsplit("-", 1)[-1][:1].isdigit():
+                env, eps = cells[0].rsplit("-", 1)
+                for label, cell in zip(headline_table.LABELS.values(), cells[1:]):
+                    printed[(env, round(float(eps), 6), label)] = cell.split()[0].strip("*")
+        for line in headline_table.table(BENCH / "table1_result", BENCH / "paper_protocol_result").splitlines()[2:]:
+            cells = [c.strip() for c in line.strip("|").split("|")]
+            task, eps = cells[0].rsplit(" ", 1)
+            env = {v: k for k, v in headline_table.SHORT.items()}[task]
+            for label, cell in zip(headline_table.LABELS.values(), cells[1:]):
+                ours = cell.split(" (")[0].split(" / ")[column].replace("−", "-")
+                assert ours == printed[(env, round(float(eps), 6), label)], (directory, env, eps, label)
 
 
 def test_aggregate_behavior_from_datasets(tmp_path, capsys):
