@@ -634,8 +634,11 @@ def test_slurm_every_cell_maps_to_exactly_one_index(repo, tmp_path, capsys):
     lines = (sdir / "commands.txt").read_text().splitlines()
     cells = expand_grid(["CartPole-v1"], [0.05, 1.0], ["brpo", "dqn"], [1, 2], {"brpo": {"mu": [0.1, 0.9]},
                                                                                   "dqn": {"tau": [0.5, 1.0]}})
-    # brpo: mu is a member flag (8 members, 2 processes of 4); dqn: tau is not (a process per value: 4 members)
+    # brpo: mu is a member flag (8 members, 2 processes of 4); dqn: tau is not in the fake repo's common.py (a process
+    # per value: 4 members, both datasets)
     assert len(cells) == 16 and len(lines) == 4
+    flags = [w for line in lines for f, w in zip(line.split(), line.split()[1:]) if f in ("--sweep", "--tau")]
+    assert flags == ["mu=0.1,0.9", "mu=0.1,0.9", "0.5", "1"]
     scripts = sorted(sdir.glob("grid_*.sbatch"))
     assert [p.name for p in scripts] == ["grid_000.sbatch", "grid_001.sbatch"]  # 2 + 2
 
