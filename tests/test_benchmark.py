@@ -1203,7 +1203,8 @@ def test_shell_presets_dry_run(script, repo, tmp_path):
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.strip().splitlines()
     assert sum("collect_data.py" in line for line in lines) == 3
-    assert len(lines) == 3 + 3 * 7  # a process per task and algorithm: 5 epsilons x the seeds as members
+    # a process per task and algorithm: 5 epsilons x the seeds as members; table1.sh also runs CQL
+    assert len(lines) == 3 + 3 * (8 if script == "table1.sh" else 7)
     assert all("--eval-frequency 1000 --eval-episodes 40" in line for line in lines[3:])
     if script == "quick.sh":
         assert all("--total-steps 20000" in line for line in lines[3:])
@@ -1215,7 +1216,8 @@ def test_shell_preset_runs_and_aggregates(repo, tmp_path):
     """table1.sh end to end on the fake scripts, restricted to 4 runs by overriding the grid flags."""
     proc = subprocess.run(["bash", str(BENCH / "table1.sh"), "--repo", str(repo), "--envs", "CartPole-v1",
                            "--epsilons", "0.5", "--algos", "dqn", "bc", "--total-steps", "2000"],
-                          env=_shell_env(tmp_path, SEEDS="1 2 3", FAKE_FAIL="bc/seed3"), capture_output=True, text=True)
+                          env=_shell_env(tmp_path, SEEDS="1 2 3", FAKE_FAIL="bc/seed3", BEHAVIOR_FROM=""),
+                          capture_output=True, text=True)  # the fake datasets hold no behaviour return
     assert proc.returncode == 1, proc.stdout + proc.stderr  # one failed run -> non-zero, report still written
     assert "CartPole-v1/eps0.5/bc/seed3: exit code 3, no result.json; log: " in proc.stdout
     report = tmp_path / "out" / "report" / "table1.md"
