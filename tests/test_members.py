@@ -47,12 +47,20 @@ def recorded_losses(module, monkeypatch, **flags) -> dict:
 @pytest.mark.parametrize("name", ALGORITHMS)
 def test_a_member_is_the_run_with_its_seed_alone(name, task_datasets, tmp_path, monkeypatch):
     """Members train on their own datasets with their own seeds: the same losses as the single runs over the first
-    1,000 updates (float tolerance: batched kernels), and the same evaluations."""
+    1,000 updates (float tolerance: batched kernels), evaluated at the same steps; and the members' run repeated is
+    the same bit for bit (losses, evaluation returns, final scores)."""
     module = load_script(name)
     flags = dict(total_steps=1000, eval_frequency=500, runs_dir=str(tmp_path / "runs"),
                  **({"evaluation_critic": True} if hasattr(module.Args, "evaluation_critic") else {}))  # BRPO's too
     together = recorded_losses(module, monkeypatch, seeds=(1, 2), epsilons=(0.15, 1.0), run_name="{epsilon}/{seed}",
                                **flags)
+    again = recorded_losses(module, monkeypatch, seeds=(1, 2), epsilons=(0.15, 1.0), run_name="again{epsilon}/{seed}",
+                            **flags)
+    assert together.keys() == again.keys() and all(np.array_equal(together[k], again[k], equal_nan=True) for k in again)
+    for eps, seed in [(0.15, 1), (0.15, 2), (1.0, 1), (1.0, 2)]:
+        first, second = (json.loads((tmp_path / "runs" / f"{prefix}{eps:g}" / str(seed) / "result.json").read_text())
+                         for prefix in ("", "again"))
+        assert first["evaluations"] == second["evaluations"] and first["final_score"] == second["final_score"]
     for m, (eps, seed) in enumerate([(0.15, 1), (0.15, 2), (1.0, 1), (1.0, 2)]):
         alone = recorded_losses(module, monkeypatch, seed=seed, epsilon=eps, run_name=f"alone{eps:g}_{seed}", **flags)
         for loss in ("losses/td_loss", "losses/nll", "losses/cql_loss", "losses/fqe_td_loss"):
