@@ -1302,6 +1302,16 @@ def test_readme_headline_table_is_what_the_committed_results_give(tmp_path):
     assert proc.returncode == 1 and proc.stdout == "" and "do not give configs.csv's mean 248 " in proc.stderr
 
 
+def test_merged_learning_rate_report_selects_what_the_per_task_reports_do():
+    """benchmark/paper_protocol_lr_result merges the three learning-rate reports: the same 120 selections (regenerate it
+    after any of them changes)."""
+    key = lambda c: (c["env_id"], c["epsilon"], c["algorithm"], json.dumps(c["hparams"], sort_keys=True))  # noqa: E731
+    per_task = [key(c) for t in ("cartpole", "acrobot", "lunarlander")
+                for c in json.loads((BENCH / f"paper_protocol_{t}_lr" / "selected.json").read_text())["cells"]]
+    merged = [key(c) for c in json.loads((BENCH / "paper_protocol_lr_result" / "selected.json").read_text())["cells"]]
+    assert sorted(merged) == sorted(per_task) and len(merged) == 15 * 8
+
+
 def test_headline_table_prints_the_reports_own_means():
     """Each headline cell is the mean table1.md prints for that cell (mean of the runs, rounded once: configs.csv's
     4-decimal mean rounded again once printed 64.2 for table1.md's 64.1)."""
