@@ -877,6 +877,9 @@ def make_parser() -> argparse.ArgumentParser:
     g.add_argument("--cells", type=Path, default=None, metavar="SELECTED_JSON",
                    help="run exactly these (task, epsilon, algorithm, configuration) cells for --seeds, e.g. the "
                         "selected.json of aggregate.py --selection-seeds (instead of --envs/--epsilons/--algos/--grid)")
+    g.add_argument("--except-cells", type=Path, default=None, metavar="OLD_SELECTED_JSON",
+                   help="with --cells: leave out the cells that this selected.json selects the same way, e.g. the "
+                        "previous report's, whose fresh seeds have run: only the selections that changed are run")
     g.add_argument("--grid", type=Path, default=None,
                    help="JSON hyperparameter grid file, e.g. benchmark/paper_sweep.json (an algorithm's entry is one "
                         "product of value lists or a list of them, their union)")
@@ -966,7 +969,16 @@ def _main(opts: argparse.Namespace) -> int:
     repo = opts.repo.resolve()
     if opts.cells and (opts.grid or opts.sweep):
         raise GridError("--cells names each cell's configuration: it cannot be combined with --grid or --sweep")
+    if opts.except_cells and not opts.cells:
+        raise GridError("--except-cells removes cells from --cells: give both")
     cells = load_cells(opts.cells, seeds) if opts.cells else expand_grid(envs, epsilons, algos, seeds, grid)
+    if opts.except_cells:
+        same = {dataclasses.replace(c, seed=0) for c in load_cells(opts.except_cells, [0])}
+        cells = [c for c in cells if dataclasses.replace(c, seed=0) not in same]
+        print(f"--except-cells: {len(cells)} runs of --cells are selected differently in {opts.except_cells}")
+        if not cells:
+            print("nothing to run: every selection is unchanged")
+            return 0
     if opts.cells:
         grid = {}  # for the unknown-flag check below
         for c in cells:

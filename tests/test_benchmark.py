@@ -868,6 +868,17 @@ def test_aggregate_selection_seeds_fresh_seeds_and_selected_cells(repo, tmp_path
     assert len(lines) == 2 and all("--seeds 8 9" in line and "--epsilons 0.25" in line for line in lines)
     assert any("brpo_c.py" in line and "--lam 0.5" in line and "brpo_c__lam=0.5/seed{seed}" in line for line in lines)
     assert any("dqn_offline.py" in line and "/dqn/seed{seed}" in line for line in lines)
+    # --except-cells: against an older selection that picked lam=0.25 and the same DQN, only BRPO-C's cell runs
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps({"cells": [dict(selected["cells"][0]), {**selected["cells"][1], "hparams": {"lam": 0.25}}]}))
+    capsys.readouterr()
+    assert run_grid.main(["--repo", str(repo), "--out", str(res), "--no-collect", "--dry-run", "--cells",
+                          str(rep / "selected.json"), "--except-cells", str(old), "--seeds", "8", "9"]) == 0
+    lines = [x for x in capsys.readouterr().out.strip().splitlines() if "--seeds" in x]
+    assert len(lines) == 1 and "brpo_c.py" in lines[0] and "--lam 0.5" in lines[0]
+    assert run_grid.main(["--repo", str(repo), "--out", str(res), "--no-collect", "--dry-run", "--cells",
+                          str(rep / "selected.json"), "--except-cells", str(rep / "selected.json")]) == 0
+    assert "every selection is unchanged" in capsys.readouterr().out
     # bad input: one line
     assert aggregate.main([str(res), "--out", str(rep), "--selection-seeds", "42"]) == 2
     assert "no result for the --selection-seeds 42" in capsys.readouterr().err
@@ -876,7 +887,7 @@ def test_aggregate_selection_seeds_fresh_seeds_and_selected_cells(repo, tmp_path
                              '"epsilon": 0.5, "algorithm": "dqn", "hparams": [["lam", 0.5]]}]}')):
         (tmp_path / f"bad{i}.json").write_text(bad)
     for argv in ([["--cells", str(tmp_path / f"bad{i}.json")] for i in range(4)]
-                 + [["--cells", str(rep / "selected.json"), "--sweep", "bc:lr=1"]]):
+                 + [["--cells", str(rep / "selected.json"), "--sweep", "bc:lr=1"], ["--except-cells", str(old)]]):
         assert run_grid.main(["--repo", str(repo), "--out", str(res), "--dry-run", *argv]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("run_grid.py: error:"), err
