@@ -114,7 +114,8 @@ def make_env(env_id: str) -> gym.Env:
     try:
         env = gym.make(env_id, disable_env_checker=True)
     except gym.error.Error as e:
-        fail(f"cannot make environment {env_id!r}: {e}")
+        fail(f"cannot make environment {env_id!r}: {str(e).rstrip('.')}. This script collects in a gymnasium "
+             "task's simulator; import logs of another task with import_data.py")
     except ModuleNotFoundError as e:
         fail(f"environment {env_id!r} needs a missing package ({e}); pip install 'gymnasium[box2d]'")
     if not isinstance(env.action_space, gym.spaces.Discrete):
@@ -287,12 +288,17 @@ def load_behavior(path: Path, env: gym.Env) -> dict:
     if path.exists() and not path.is_file():  # a directory, pipe or device: np.load would fail or hang
         fail(f"behaviour network {path} is not a regular file; pass the .npz file of a behaviour network")
     try:
-        with np.load(path) as f:
-            weights = {k: f[k] for k in ("w0", "b0", "w1", "b1", "w2", "b2")}
+        with np.load(path, allow_pickle=False) as f:
+            keys = ("w0", "b0", "w1", "b1", "w2", "b2")
+            missing = [k for k in keys if k not in f.files]
+            weights = {} if missing else {k: f[k] for k in keys}
     except FileNotFoundError:
         fail(f"behaviour network {path} not found; create it with --train-behavior")
-    except Exception as e:  # corrupt zip, missing key, ...
-        fail(f"behaviour network {path} is unreadable ({type(e).__name__}: {e}); pass a network this script wrote "
+    except Exception as e:  # not an .npz, a corrupt zip, ...
+        fail(f"behaviour network {path} is unreadable ({common.npz_error(path, e)}); pass a network this script wrote "
+             "(behavior_policies/<env>.npz), or train one into a new file with --train-behavior")
+    if missing:
+        fail(f"behaviour network {path} lacks the arrays {missing}; pass a network this script wrote "
              "(behavior_policies/<env>.npz), or train one into a new file with --train-behavior")
     obs_dim, n_actions = env.observation_space.shape[0], int(env.action_space.n)
     if weights["w0"].ndim == 2 and weights["w2"].ndim == 2 and (weights["w0"].shape[1] != obs_dim
@@ -395,7 +401,8 @@ def main(args: Args) -> None:
     env = make_env(args.env_id)
     behavior_path = Path(args.behavior_path) if args.behavior_path else REPO / "behavior_policies" / f"{args.env_id}.npz"
     if args.train_behavior:
-        steps = args.behavior_train_steps or PAPER_TRAIN_STEPS.get(args.env_id, 100_000)
+        steps = args.behavior_train_steps if args.behavior_train_steps is not None else PAPER_TRAIN_STEPS.get(
+            args.env_id, 100_000)
         if steps < 2_500:
             fail(f"--behavior-train-steps must be at least 2500, got {steps}")
         seed = args.behavior_train_seed if args.behavior_train_seed is not None else BEHAVIOR_TRAIN_SEED.get(args.env_id, 1)

@@ -159,10 +159,11 @@ def check_args(args, allow_inf: tuple = ()) -> None:
         # 255 bytes: the file systems' limit per name (a members' template is checked once formatted, per member)
         template = name == "run_name" and bool(args.seeds or args.epsilons or args.sweep)
         if value is not None and (not value.isprintable() or len(value.encode()) > 1000 or any(
-                v in ("", ".", "..") or "\\" in v or "/" in v or len(v.encode()) > 255 and not template for v in parts)):
+                v in ("", ".", "..", REPLACED) or "\\" in v or "/" in v or len(v.encode()) > 255 and not template
+                for v in parts)):  # REPLACED: --overwrite's own directory, emptied and removed by a later run
             fail(f"{flag(name)} must be " + ("a relative path of directory names" if name == "run_name" else
                  "a single directory name") + f" of printable characters, at most 255 bytes each and 1000 in all "
-                 f"(no '..'), got {value!r}")
+                 f"(no '..', no '{REPLACED}'), got {value!r}")
     for name in ("dataset_path", "eval_checkpoint", "runs_dir"):
         if getattr(args, name) == "":
             fail(f"{flag(name)} must not be empty")
@@ -209,7 +210,8 @@ def make_env(env_id: str) -> gym.Env:
             warnings.simplefilter("ignore")
             env = gym.make(env_id, disable_env_checker=True)
     except gym.error.Error as e:
-        fail(f"cannot make environment {env_id!r}: {e}")
+        fail(f"cannot make environment {env_id!r}: {str(e).rstrip('.')}. Pass an installed gymnasium task, or with "
+             "the logs of another task, the dataset import_data.py made of them with --dataset-path")
     except ModuleNotFoundError as e:
         fail(f"environment {env_id!r} needs a missing package ({e}); pip install 'gymnasium[box2d]'")
     if not isinstance(env.action_space, gym.spaces.Discrete):
@@ -527,8 +529,11 @@ def run_directory(args):
             raise
         if (run_dir / "result.json").exists():  # finished: what it replaced goes
             shutil.rmtree(run_dir / REPLACED, ignore_errors=True)
-        else:  # failed alone (a member whose training diverged)
+        else:  # failed alone (a member whose training diverged): as if it had not started
             restore_replaced(run_dir)
+            with contextlib.suppress(OSError):
+                for p in dict.fromkeys([run_dir, *created]):  # only if empty (run_grid.py's run.log stays)
+                    p.rmdir()
     finally:
         os.close(fd)
 
@@ -538,7 +543,9 @@ def load_checkpoint(path: str, algorithm: str, keys: dict) -> dict:
     `keys` (name -> type) and a task whose sizes are those of its environment."""
     require(not not_a_file(path), f"checkpoint {path} is unreadable ({NOT_A_FILE})")
     try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():  # torch warns before refusing a pickle of more than weights: the error says it
+            warnings.simplefilter("ignore")
+            ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except FileNotFoundError:
         fail(f"checkpoint {path} not found")
     except Exception as e:  # not a torch file, or one holding more than weights
@@ -731,6 +738,9 @@ def cli(args_type, main) -> None:
                 "than once; name every swept flag in one --sweep, e.g. --sweep mu=0.5,0.9 learning-rate=1e-3,3e-4")
         args = tyro.cli(args_type)
         main(args)
+        # what the runs wrote is final: a signal while the interpreter shuts down must not report them as interrupted
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     except KeyboardInterrupt:
         print(f"{Path(sys.argv[0]).name}: interrupted; nothing written", file=sys.stderr)
         raise SystemExit(130)
@@ -1430,9 +1440,11 @@ def member_args(args, check, member_flags: tuple = ()) -> list:
         require(name not in sweep, f"--sweep names {flag(name)} twice")
         kind = type(getattr(args, name))
         try:
-            sweep[name] = list(dict.fromkeys(kind(v) for v in values.split(",")))
+            sweep[name] = [kind(v) for v in values.split(",")]
         except ValueError:
             fail(f"--sweep {spec!r}: {flag(name)} takes {kind.__name__} values")
+        twice = sorted({v for v in sweep[name] if sweep[name].count(v) > 1})  # 1e-3,0.001: likely a typo
+        require(not twice, f"--sweep {spec!r} names the value(s) {', '.join(map(str, twice))} more than once")
     # epsilons as their datasets name them (eps{:g}): 0.15 and 0.150000001 would train on the same file
     for name, values in (("--seeds", args.seeds), ("--epsilons", tuple(f"{e:g}" for e in args.epsilons or ()))):
         twice = sorted({v for v in values or () if values.count(v) > 1})

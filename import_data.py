@@ -22,10 +22,12 @@ action has probability 0. A fit significantly worse than the uniform policy is r
 from __future__ import annotations
 
 import csv
+import difflib
 import io
 import json
 import math
 import os
+import re
 import signal
 import sys
 from dataclasses import asdict, dataclass
@@ -129,6 +131,29 @@ def columns_to_arrays(cols: dict, path: Path) -> dict:
     return out
 
 
+# the names read: the columns of a .csv / .parquet (and obs_<i>, next_obs_<i>, prob_<i>), the arrays of an .npz
+TABLE_NAMES = ("action", "reward", "terminal", "timeout", "episode_end", "propensity")
+NPZ_NAMES = ("observations", "next_observations", "actions", "rewards", "terminals", "timeouts", "episode_ends",
+             "propensities", "behavior_probs")
+NUMBERED = re.compile(r"(obs|next_obs|prob)_\d+")
+
+
+def check_names(names, path: Path, table: bool) -> None:
+    """A name that is not read but is close to one that is (a misspelt 'propensity') is refused: its data would be
+    dropped unseen; any other (a timestamp, a user id) is ignored, and said so."""
+    known = TABLE_NAMES if table else NPZ_NAMES
+    unknown = [n for n in names if n not in known and not (table and NUMBERED.fullmatch(n))]
+    for n in unknown if table or "format_version" not in names else ():  # a dataset's own arrays are no typos
+        digits = re.search(r"\d*$", n).group() or "0"
+        numbered = (f"{p}_{digits}" for p in ("obs", "next_obs", "prob")) if table else ()
+        like = difflib.get_close_matches(n, (*known, *numbered), 1, 0.8)
+        if like:
+            fail(f"logs {path}: {'column' if table else 'array'} {n!r} is not one the importer reads; did you mean "
+                 f"{like[0]!r}? Rename it (docs/import.md lists the names), or drop it")
+    if unknown:
+        print(f"logs {path}: ignoring {'columns' if table else 'arrays'} {unknown} (not read by the importer)")
+
+
 def read_logs(path: Path) -> dict:
     if not path.exists():
         fail(f"logs {path} not found")
@@ -137,11 +162,15 @@ def read_logs(path: Path) -> dict:
     if path.suffix == ".npz":
         try:
             with np.load(path, allow_pickle=False) as f:
-                return {k: f[k] for k in f.files}
+                logs = {k: f[k] for k in f.files}
         except Exception as e:
             fail(f"logs {path} are unreadable ({common.npz_error(path, e)})")
+        check_names(logs, path, table=False)
+        return logs
     if path.suffix in (".csv", ".parquet"):
-        return columns_to_arrays(read_table(path), path)
+        cols = read_table(path)
+        check_names(cols, path, table=True)
+        return columns_to_arrays(cols, path)
     fail(f"logs {path}: unknown file type {path.suffix!r}; pass an .npz, .csv or .parquet file")
 
 
@@ -231,6 +260,10 @@ def validate(logs: dict, source: str, n_actions: int, obs_dim: int) -> dict:
                 f"logs {source}: behaviour probabilities are not distributions (each row non-negative, summing to 1)")
         require((p[np.arange(n), a] > 0).all(), f"logs {source}: a logged action has behaviour probability 0")
         out["behavior_probs"] = p / p.sum(1, keepdims=True)
+        if "propensities" in logs:  # both: they must say the same, or which one is the behaviour policy is a guess
+            gap = np.abs(out["behavior_probs"][np.arange(n), a] - np.asarray(logs["propensities"], np.float64))
+            require(not (gap > 1e-3).any(), f"logs {source}: the behaviour probabilities and the propensities "
+                    f"disagree at {int((gap > 1e-3).sum())} transitions (by up to {gap.max():.3g}); keep only one")
     elif "propensities" in logs:
         p = np.asarray(logs["propensities"], np.float64)
         require(np.isfinite(p).all() and (p > 0).all() and (p <= 1).all(),
@@ -387,8 +420,10 @@ def main(args: Args) -> None:
         obs_dim = obs.shape[1]
         n_actions = args.n_actions if args.n_actions is not None else (np.asarray(logs["behavior_probs"]).shape[-1] if "behavior_probs" in logs
                                        else int(a.max()) + 1)
-        require(2 <= n_actions <= MAX_ACTIONS, f"logs {source} show {n_actions:.3g} action(s); at least 2 and at most "
-                f"{MAX_ACTIONS} are supported (pass --n-actions if the logs do not show every action)")
+        require(2 <= n_actions <= MAX_ACTIONS, (f"--n-actions {n_actions}:" if args.n_actions is not None else
+                f"logs {source} show {n_actions:.3g} action(s);") + f" at least 2 and at most {MAX_ACTIONS} are "
+                "supported" + ("" if args.n_actions is not None else " (pass --n-actions if the logs do not show every "
+                "action)"))
         print(f"{env_id} is not an installed gymnasium task: the scripts will train on this dataset without a simulator, "
               "scored by the improvement certificate", flush=True)
     require(args.behavior_floor * n_actions < 1.0, f"--behavior-floor {args.behavior_floor} leaves no mass for "

@@ -158,6 +158,9 @@ BAD = {
     "2-d terminals": (lambda L: {**L, "terminals": L["terminals"][:, None]}, "one value per transition"),
     "observation beyond float32": (lambda L: {**L, "observations": np.where(
         np.arange(len(L["actions"]))[:, None] == 3, 1e300, L["observations"].astype(np.float64))}, "beyond float32"),
+    "probabilities and propensities that disagree": (lambda L: {**L, "behavior_probs": np.full((len(L["actions"]), 2),
+        0.5), "propensities": np.full(len(L["actions"]), 0.75)}, "disagree at"),
+    "a misspelt array": (lambda L: {**L, "propensity": np.full(len(L["actions"]), 0.5)}, "did you mean 'propensities'"),
     "action beyond int64": (lambda L: {**L, "actions": np.where(np.arange(len(L["actions"])) == 3, 1e300,
                                                                   L["actions"].astype(np.float64))}, "outside the action space"),
 }
@@ -189,7 +192,7 @@ def test_bad_invocations(own, tmp_path):
                          (["--logs", tmp_path / "logs.npz", "--env-id", "MyTask-v0", "--n-actions", "100000000"],
                           "at most 1000 are supported"),
                          (["--logs", tmp_path / "logs.npz", "--env-id", "MyTask-v0", "--n-actions", "0"],
-                          "show 0 action(s)"),
+                          "--n-actions 0: at least 2"),
                          (["--logs", tmp_path / "text.npz", "--env-id", "CartPole-v1"], "not an .npz archive"),
                          (["--logs", tmp_path / "objects.npz", "--env-id", "CartPole-v1"], "holds object arrays")):
         proc = run_in_process([REPO / "import_data.py", *argv])
@@ -218,6 +221,23 @@ def test_csv_header_quirks(tmp_path):
                            tmp_path / "t.npz", *args])
     assert proc.returncode == 1 and proc.stderr.count("\n") == 1 and "['action'] appear more than once" in proc.stderr
     assert not (tmp_path / "t.npz").exists()
+
+
+def test_a_misspelt_column_is_refused_and_others_are_ignored_aloud(tmp_path):
+    """A column the importer does not read but whose name is close to one it does would be dropped unseen (a misspelt
+    propensity: the import would estimate the behaviour policy instead): refused; a user id is ignored, and said."""
+    lines = (REPO / "examples" / "logs_example.csv").read_text().splitlines()
+    (tmp_path / "typo.csv").write_text("\n".join([lines[0].replace("propensity", "propensty")] + lines[1:]) + "\n")
+    (tmp_path / "extra.csv").write_text("\n".join([lines[0] + ",user_id"] + [x + ",7" for x in lines[1:]]) + "\n")
+    args = ["--env-id", "CartPole-v1", "--fit-steps", "200"]
+    proc = run_in_process([REPO / "import_data.py", "--logs", tmp_path / "typo.csv", "--dataset-path",
+                           tmp_path / "t.npz", *args])
+    assert proc.returncode == 1 and proc.stderr.count("\n") == 1 and "did you mean 'propensity'" in proc.stderr
+    assert not (tmp_path / "t.npz").exists()
+    proc = run_in_process([REPO / "import_data.py", "--logs", tmp_path / "extra.csv", "--dataset-path",
+                           tmp_path / "e.npz", *args])
+    assert proc.returncode == 0 and "ignoring columns ['user_id']" in proc.stdout, proc.stderr
+    assert "logged propensities" in proc.stdout
 
 
 def test_without_a_simulator_the_certificate_is_the_score(own, tmp_path):

@@ -5,6 +5,7 @@ full disks and unwritable directories need a real process."""
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import fcntl
 import json
 import os
@@ -126,6 +127,9 @@ BAD_ARGS = {
     "run name with a newline": (dict(run_name="a\nb"), "printable characters"),
     "run name not UTF-8": (dict(run_name="\udcff"), "printable characters"),
     "run name too long": (dict(run_name="a" * 300), "at most 255 bytes each"),
+    "--overwrite's own directory": (dict(run_name="a/.replaced/b"), "no '.replaced'"),
+    "a task with no simulator nor dataset": (dict(env_id="MyTask-v0", dataset_path=None), "--dataset-path"),
+    "a swept value twice": (dict(sweep=("learning-rate=1e-3,0.001",)), "0.001 more than once"),
     "dataset name too long": (dict(dataset_path="/tmp/" + "a" * 300 + ".npz"), "File name too long"),
     "empty runs dir": (dict(runs_dir=""), "--runs-dir must not be empty"),
     "empty checkpoint": (dict(eval_checkpoint=""), "--eval-checkpoint must not be empty"),
@@ -167,6 +171,20 @@ def test_unwritable_runs_dir_under_a_file(name, datasets, tmp_path):
     (tmp_path / "file").write_text("x")
     message = one_line_failure(module, tmp_path / "file" / "runs", dataset_path=str(datasets[0.15]))
     assert "cannot create the run directory" in message and "--runs-dir" in message
+
+
+def test_a_signal_after_the_runs_finished_does_not_fail_them(monkeypatch):
+    """Once main() has returned, what the runs wrote is final: a Ctrl-C while the interpreter shuts down (about a
+    second) must not end in 'interrupted' and exit 130 with the results on disk."""
+    common = load_script("dqn_offline.py").common
+    monkeypatch.setattr(sys, "argv", ["dqn_offline.py"])
+    before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    try:
+        common.cli(dataclasses.make_dataclass("Args", []), lambda args: None)
+        assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN and signal.getsignal(signal.SIGTERM) == signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, before[0])
+        signal.signal(signal.SIGTERM, before[1])
 
 
 def test_overwrite_keeps_the_finished_run_until_the_new_one_finishes(datasets, tmp_path):
