@@ -831,7 +831,8 @@ def _main(argv: list[str] | None = None) -> int:
                    help="directory searched recursively for result.json; several (e.g. a sweep and its fresh seeds, "
                         "each written by run_grid.py) are read as one, a run found in two of them is an error")
     p.add_argument("--out", type=Path, default=None,
-                   help="output directory (default: the first RESULTS_DIR/report)")
+                   help="output directory (default: the first RESULTS_DIR/report); a report already there is "
+                        "replaced, and the output says so")
     p.add_argument("--expected-seeds", type=int, default=None,
                    help="seeds expected per cell (default: the largest number found for any configuration)")
     p.add_argument("--paper-csv", type=Path, default=PAPER_CSV)
@@ -982,9 +983,12 @@ def write_report(opts, argv, roots: list[Path], runs, skipped, out: Path, final:
         if taken:  # checked before anything moves: the report is replaced whole or not at all
             raise AggregateError(f"cannot write the report to {final}: {taken} exist there and are not files; remove "
                                  "them or pass another --out")
-        for name in ("fresh_seeds.md", "selected.json"):  # an earlier selection's, not made again: not left behind
-            if not (out / name).exists():
-                (final / name).unlink(missing_ok=True)
+        # a report is derived from its runs: an earlier one is replaced whole, and the last line says so
+        earlier = (final / "table1.md").exists()
+        gone = [name for name in ("fresh_seeds.md", "selected.json")  # an earlier selection's, not made again
+                if (final / name).exists() and not (out / name).exists()]
+        for name in gone:
+            (final / name).unlink(missing_ok=True)
         for f in sorted(out.iterdir()):
             shutil.move(str(f), final / f.name)
     except OSError as e:
@@ -992,6 +996,9 @@ def write_report(opts, argv, roots: list[Path], runs, skipped, out: Path, final:
     print(text)
     print(f"wrote {final / 'table1.md'}, {final / 'configs.csv'}, {final / 'runs.csv'}"
           + "".join(f", {final / p.name}" for p in plots), file=sys.stderr)
+    if earlier:
+        print(f"replaced the report that was in {final}" + (f" (removed its {', '.join(gone)})" if gone else ""),
+              file=sys.stderr)
     return 0
 
 

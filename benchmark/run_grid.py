@@ -35,6 +35,7 @@ import math
 import os
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -398,6 +399,9 @@ def check_values(values: list, where: str) -> list:
             raise GridError(f"{where}: {v!r} is not a number, a boolean or a string")
         if isinstance(v, str) and ("," in v or not v.strip()):  # the scripts' --sweep separates values by commas
             raise GridError(f"{where}: {v!r}: a value may not be empty or hold a comma; list the values separately")
+    twice = [v for i, v in enumerate(values) if v in values[:i]]  # 1e-3 and 0.001: likely a typo
+    if twice:
+        raise GridError(f"{where}: {twice[0]!r} is listed more than once; give each value once")
     return values
 
 
@@ -925,8 +929,11 @@ def main(argv: list[str] | None = None) -> int:
 def _main(opts: argparse.Namespace) -> int:
     envs = list(dict.fromkeys(canonical_env(e) for e in opts.envs))
     algos = list(dict.fromkeys(canonical_algo(a) for a in opts.algos))
-    epsilons = list(dict.fromkeys(float(e) for e in opts.epsilons))
-    seeds = list(dict.fromkeys(opts.seeds))
+    epsilons, seeds = [float(e) for e in opts.epsilons], list(opts.seeds)
+    for name, values in (("--epsilons", epsilons), ("--seeds", seeds)):  # as the scripts do: likely a typo
+        twice = sorted({v for v in values if values.count(v) > 1})
+        if twice:
+            raise GridError(f"{name} lists {', '.join(map(str, twice))} more than once; give each value once")
     for name, value in (("--workers", opts.workers), ("--threads", opts.threads), ("--max-members", opts.max_members)):
         if value < 1:
             raise GridError(f"{name} must be >= 1")
@@ -988,6 +995,12 @@ def _main(opts: argparse.Namespace) -> int:
     unknown = unknown_flag_warnings(grid, repo)
     if unknown:  # every run would fail on it: stop before starting any
         raise GridError(f"{unknown[0]} (see the script's --help for its flags)")
+    if not (opts.dry_run or opts.slurm):  # before --out is touched (a dry run or a cluster may name other paths)
+        for script in ([] if opts.no_collect else ["collect_data.py"]) + list(dict.fromkeys(c.script for c in cells)):
+            if not (repo / script).is_file():
+                raise GridError(f"script {script} not found in {repo} (use --repo to point at the algorithm scripts)")
+        if not shutil.which(opts.python):
+            raise GridError(f"--python {opts.python}: no such executable; pass the interpreter the scripts run with")
     lock = None if opts.dry_run else lock_results(out)  # noqa: F841 (held while this function runs)
 
     finished, pending, stale = [], [], []
@@ -1026,12 +1039,6 @@ def _main(opts: argparse.Namespace) -> int:
         print(f"wrote {n_arrays} job array script(s) for {len(pending)} runs in {len(packs)} processes in {sdir}; "
               f"submit with: bash {sdir}/submit.sh")
         return 0
-
-    scripts = ["collect_data.py"] if missing else []
-    scripts += list(dict.fromkeys(c.script for c in pending))
-    for script in scripts:
-        if not (repo / script).is_file():
-            raise GridError(f"script {script} not found in {repo} (use --repo to point at the algorithm scripts)")
 
     log_invocation(out, opts, len(cells), len(pending))
     failed: list[tuple[str, str, Path]] = []

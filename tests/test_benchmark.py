@@ -404,6 +404,9 @@ def test_packs_of_random_unions_of_products_train_exactly_the_grid():
     (["--slurm", "--slurm-time", "1:00\n#SBATCH --x"], "--slurm-time"),
     (["--sweep", "dqn:tau=0.5", "--sweep", "dqn:tau=1"], "sets dqn:tau twice"),
     (["--sweep", "dqn:learning_rate=1e-3,,2e-3"], "an empty value"),
+    (["--sweep", "dqn:learning_rate=1e-3,0.001"], "0.001 is listed more than once"),
+    (["--seeds", "1", "2", "1"], "--seeds lists 1 more than once"),
+    (["--epsilons", "0.15", "0.15"], "--epsilons lists 0.15 more than once"),
 ])
 def test_bad_input_one_line_error(argv, message, capsys, tmp_path):
     assert run_grid.main(["--dry-run", "--out", str(tmp_path), *argv]) == 2
@@ -891,9 +894,22 @@ def test_aggregate_selection_seeds_fresh_seeds_and_selected_cells(repo, tmp_path
         assert run_grid.main(["--repo", str(repo), "--out", str(res), "--dry-run", *argv]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("run_grid.py: error:"), err
-    # a report without the selection leaves no earlier selection's files behind
+    # a report without the selection leaves no earlier selection's files behind, and says what it replaced
+    capsys.readouterr()
     assert aggregate.main([str(res), "--out", str(rep), "--no-plots"]) == 0
     assert not (rep / "fresh_seeds.md").exists() and not (rep / "selected.json").exists()
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (f"replaced the report that was in {rep} (removed its "
+                                                                "fresh_seeds.md, selected.json)")
+
+
+def test_a_runner_that_cannot_start_leaves_no_out_directory(tmp_path, capsys):
+    for argv, message in ((["--repo", str(tmp_path / "none")], "not found in"),
+                          (["--python", str(tmp_path / "none")], "no such executable")):
+        assert run_grid.main(["--envs", "CartPole-v1", "--algos", "dqn", "--seeds", "1", "--out", str(tmp_path / "o"),
+                              *argv]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and message in err[0], err
+        assert not (tmp_path / "o").exists()
 
 
 def test_aggregate_algos_restricts_the_columns(tmp_path, capsys):
