@@ -182,13 +182,18 @@ def test_the_runners_run_names_for_the_whole_paper_sweep_are_accepted_by_the_scr
 
 
 def test_sweep_expansion_counts_and_dedup():
-    grid = run_grid.merge_grids(run_grid.parse_sweep("brpo_c:lam=0.25,0.5,0.75,0.5", ["brpo_c", "dqn"]),
+    with pytest.raises(run_grid.GridError, match="0.5 is listed more than once"):  # within one list: likely a typo
+        run_grid.parse_sweep("brpo_c:lam=0.25,0.5,0.75,0.5", ["brpo_c", "dqn"])
+    grid = run_grid.merge_grids(run_grid.parse_sweep("brpo_c:lam=0.25,0.5,0.75", ["brpo_c", "dqn"]),
                                 run_grid.parse_sweep("all:learning-rate=0.001,0.0003", ["brpo_c", "dqn"]))
     cells = expand_grid(["CartPole-v1", "Acrobot-v1"], [0.05, 0.5], ["brpo_c", "dqn"], [1, 2, 3], grid)
-    # brpo_c: 3 lam (duplicate 0.5 dropped) x 2 lr; dqn: 2 lr
+    # brpo_c: 3 lam x 2 lr; dqn: 2 lr
     assert len(cells) == 2 * 2 * (3 * 2 + 2) * 3
     assert len({c.run_name for c in cells}) == len(cells)
     assert {dict(c.hparams)["lam"] for c in cells if c.algo == "brpo_c"} == {0.25, 0.5, 0.75}
+    # blocks that overlap (a grid file's) run their shared configurations once
+    cells = expand_grid(["CartPole-v1"], [0.5], ["brpo_c"], [1], {"brpo_c": [{"lam": [0.25, 0.5]}, {"lam": [0.5, 0.75]}]})
+    assert sorted(dict(c.hparams)["lam"] for c in cells) == [0.25, 0.5, 0.75]
 
 
 def test_paper_sweep_file_matches_paper_ranges():
