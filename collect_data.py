@@ -114,8 +114,8 @@ def make_env(env_id: str) -> gym.Env:
     try:
         env = gym.make(env_id, disable_env_checker=True)
     except gym.error.Error as e:
-        fail(f"cannot make environment {env_id!r}: {str(e).rstrip('.')}. This script collects in a gymnasium "
-             "task's simulator; import logs of another task with import_data.py")
+        fail(f"cannot make environment {env_id!r}: {common.ended(e)} This script collects in a gymnasium task's "
+             "simulator; import logs of another task with import_data.py")
     except ModuleNotFoundError as e:
         fail(f"environment {env_id!r} needs a missing package ({e}); pip install 'gymnasium[box2d]'")
     if not isinstance(env.action_space, gym.spaces.Discrete):

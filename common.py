@@ -202,6 +202,12 @@ def check_args(args, allow_inf: tuple = ()) -> None:
         require(0.0 <= args.certificate_gamma <= 1.0, f"--certificate-gamma must lie in [0, 1], got {args.certificate_gamma}")
 
 
+def ended(e: Exception) -> str:
+    """An exception's message as a sentence (gymnasium's end in '.', '?' or nothing), for a hint to follow."""
+    text = " ".join(str(e).split())
+    return text if text.endswith((".", "?", "!")) else text + "."
+
+
 def make_env(env_id: str) -> gym.Env:
     if env_id == "LunarLander-v2":
         fail("LunarLander-v2 is not registered in gymnasium 1.x; use --env-id LunarLander-v3")
@@ -210,8 +216,8 @@ def make_env(env_id: str) -> gym.Env:
             warnings.simplefilter("ignore")
             env = gym.make(env_id, disable_env_checker=True)
     except gym.error.Error as e:
-        fail(f"cannot make environment {env_id!r}: {str(e).rstrip('.')}. Pass an installed gymnasium task, or with "
-             "the logs of another task, the dataset import_data.py made of them with --dataset-path")
+        fail(f"cannot make environment {env_id!r}: {ended(e)} Pass an installed gymnasium task, or with the logs of "
+             "another task, the dataset import_data.py made of them with --dataset-path")
     except ModuleNotFoundError as e:
         fail(f"environment {env_id!r} needs a missing package ({e}); pip install 'gymnasium[box2d]'")
     if not isinstance(env.action_space, gym.spaces.Discrete):
@@ -737,10 +743,17 @@ def cli(args_type, main) -> None:
         require(sum(a == "--sweep" or a.startswith("--sweep=") for a in sys.argv[1:]) <= 1, "--sweep is given more "
                 "than once; name every swept flag in one --sweep, e.g. --sweep mu=0.5,0.9 learning-rate=1e-3,3e-4")
         args = tyro.cli(args_type)
-        main(args)
-        # what the runs wrote is final: a signal while the interpreter shuts down must not report them as interrupted
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        status = None
+        try:
+            main(args)
+            status = 0
+        except SystemExit as e:
+            status = 1 if e.code == 1 else None  # 1: a member failed alone, the others finished
+            raise
+        finally:  # what the runs wrote is final: a signal while the interpreter shuts down ends it with that status
+            if status is not None:
+                signal.signal(signal.SIGINT, functools.partial(exit_now, status))
+                signal.signal(signal.SIGTERM, functools.partial(exit_now, status))
     except KeyboardInterrupt:
         print(f"{Path(sys.argv[0]).name}: interrupted; nothing written", file=sys.stderr)
         raise SystemExit(130)
@@ -751,6 +764,12 @@ def cli(args_type, main) -> None:
         print(f"{Path(sys.argv[0]).name}: standard output was closed by its reader; stopped, nothing written",
               file=sys.stderr)
         raise SystemExit(141)
+
+
+def exit_now(status: int, signum=None, frame=None) -> None:
+    with contextlib.suppress(Exception):
+        sys.stdout.flush()
+    os._exit(status)
 
 
 def quiet_stdout() -> None:

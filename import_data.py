@@ -89,7 +89,7 @@ def read_table(path: Path) -> dict:
         except Exception as e:
             fail(f"logs {path} are unreadable as parquet ({type(e).__name__}: {' '.join(str(e).split())})")
         cols = {}
-        for name in table.column_names:
+        for name in read_names(table.column_names, path, table=True):
             col = table.column(name).to_numpy(zero_copy_only=False)
             if col.dtype.kind not in "biuf":
                 fail(f"logs {path}: column {name!r} is not numeric ({col.dtype})")
@@ -108,11 +108,13 @@ def read_table(path: Path) -> dict:
     if any(len(r) != len(header) for r in body):
         line = next(i for i, r in enumerate(body) if len(r) != len(header)) + 2
         fail(f"logs {path}: line {line} has a different number of columns than the header ({len(header)})")
+    read = read_names(header, path, table=True)
+    columns = [header.index(name) for name in read]  # only these are converted: a timestamp column is no number
     try:
-        values = np.array(body, dtype=np.float64)
+        values = np.array([[r[i] for i in columns] for r in body], dtype=np.float64)
     except ValueError as e:
         fail(f"logs {path} hold a value that is not a number ({e})")
-    return {name: values[:, i] for i, name in enumerate(header)}
+    return {name: values[:, i] for i, name in enumerate(read)}
 
 
 def columns_to_arrays(cols: dict, path: Path) -> dict:
@@ -136,22 +138,31 @@ TABLE_NAMES = ("action", "reward", "terminal", "timeout", "episode_end", "propen
 NPZ_NAMES = ("observations", "next_observations", "actions", "rewards", "terminals", "timeouts", "episode_ends",
              "propensities", "behavior_probs")
 NUMBERED = re.compile(r"(obs|next_obs|prob)_\d+")
+ALTERNATIVES = (("timeout", "episode_end", "timeouts", "episode_ends"),  # names that supply the same data
+                ("propensity", "propensities", "behavior_probs", "prob_"))
 
 
-def check_names(names, path: Path, table: bool) -> None:
-    """A name that is not read but is close to one that is (a misspelt 'propensity') is refused: its data would be
-    dropped unseen; any other (a timestamp, a user id) is ignored, and said so."""
+def read_names(names, path: Path, table: bool) -> list:
+    """The names the importer reads. One it does not read but that resembles a name whose data the logs lack (a
+    misspelt 'propensity' in logs without probabilities) is refused: that data would be dropped unseen. Any other (a
+    timestamp, an episode id) is ignored, and said so."""
     known = TABLE_NAMES if table else NPZ_NAMES
-    unknown = [n for n in names if n not in known and not (table and NUMBERED.fullmatch(n))]
+    read = [n for n in names if n in known or (table and NUMBERED.fullmatch(n))]
+    unknown = [n for n in names if n not in read]
+    base = lambda n: "prob_" if n.startswith("prob_") else n  # noqa: E731
+    supplied = {base(n) for n in read} | {a for group in ALTERNATIVES if {base(n) for n in read} & set(group)
+                                          for a in group}
     for n in unknown if table or "format_version" not in names else ():  # a dataset's own arrays are no typos
         digits = re.search(r"\d*$", n).group() or "0"
         numbered = (f"{p}_{digits}" for p in ("obs", "next_obs", "prob")) if table else ()
         like = difflib.get_close_matches(n, (*known, *numbered), 1, 0.8)
-        if like:
-            fail(f"logs {path}: {'column' if table else 'array'} {n!r} is not one the importer reads; did you mean "
-                 f"{like[0]!r}? Rename it (docs/import.md lists the names), or drop it")
+        if like and like[0] not in supplied and base(like[0]) not in supplied:
+            fail(f"logs {path}: {'column' if table else 'array'} {n!r} is not one the importer reads, and "
+                 f"{like[0]!r}, which it resembles, is missing: if it holds that, rename it (docs/import.md lists the "
+                 "names); if not, drop it")
     if unknown:
         print(f"logs {path}: ignoring {'columns' if table else 'arrays'} {unknown} (not read by the importer)")
+    return read
 
 
 def read_logs(path: Path) -> dict:
@@ -162,15 +173,11 @@ def read_logs(path: Path) -> dict:
     if path.suffix == ".npz":
         try:
             with np.load(path, allow_pickle=False) as f:
-                logs = {k: f[k] for k in f.files}
+                return {k: f[k] for k in read_names(f.files, path, table=False)}
         except Exception as e:
             fail(f"logs {path} are unreadable ({common.npz_error(path, e)})")
-        check_names(logs, path, table=False)
-        return logs
     if path.suffix in (".csv", ".parquet"):
-        cols = read_table(path)
-        check_names(cols, path, table=True)
-        return columns_to_arrays(cols, path)
+        return columns_to_arrays(read_table(path), path)
     fail(f"logs {path}: unknown file type {path.suffix!r}; pass an .npz, .csv or .parquet file")
 
 
@@ -252,6 +259,10 @@ def validate(logs: dict, source: str, n_actions: int, obs_dim: int) -> dict:
     else:  # inside an episode, the next row; an episode's last transition keeps its own state (docs/import.md)
         nxt = np.concatenate([obs[1:], obs[-1:]]).astype(np.float32)
         out["next_observations"] = np.where(ends[:, None], obs.astype(np.float32), nxt)
+    if "propensities" in logs:
+        prop = np.asarray(logs["propensities"], np.float64)
+        require(np.isfinite(prop).all() and (prop > 0).all() and (prop <= 1).all(),
+                f"logs {source}: propensities must lie in (0, 1]")
     if "behavior_probs" in logs:
         p = np.asarray(logs["behavior_probs"], np.float64)
         require(p.shape == (n, n_actions), f"logs {source}: behaviour probabilities have shape {p.shape}, expected "
@@ -260,15 +271,12 @@ def validate(logs: dict, source: str, n_actions: int, obs_dim: int) -> dict:
                 f"logs {source}: behaviour probabilities are not distributions (each row non-negative, summing to 1)")
         require((p[np.arange(n), a] > 0).all(), f"logs {source}: a logged action has behaviour probability 0")
         out["behavior_probs"] = p / p.sum(1, keepdims=True)
-        if "propensities" in logs:  # both: they must say the same, or which one is the behaviour policy is a guess
-            gap = np.abs(out["behavior_probs"][np.arange(n), a] - np.asarray(logs["propensities"], np.float64))
-            require(not (gap > 1e-3).any(), f"logs {source}: the behaviour probabilities and the propensities "
-                    f"disagree at {int((gap > 1e-3).sum())} transitions (by up to {gap.max():.3g}); keep only one")
+        if "propensities" in logs:  # both: they must say the same (up to rounding to two decimals), or which one
+            gap = np.abs(out["behavior_probs"][np.arange(n), a] - prop)  # is the behaviour policy is a guess
+            require(not (gap > 0.01).any(), f"logs {source}: the behaviour probabilities and the propensities "
+                    f"disagree at {int((gap > 0.01).sum())} transitions (by up to {gap.max():.3g}); keep only one")
     elif "propensities" in logs:
-        p = np.asarray(logs["propensities"], np.float64)
-        require(np.isfinite(p).all() and (p > 0).all() and (p <= 1).all(),
-                f"logs {source}: propensities must lie in (0, 1]")
-        out["propensities"] = p
+        out["propensities"] = prop
     return out
 
 

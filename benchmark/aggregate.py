@@ -983,10 +983,12 @@ def write_report(opts, argv, roots: list[Path], runs, skipped, out: Path, final:
         if taken:  # checked before anything moves: the report is replaced whole or not at all
             raise AggregateError(f"cannot write the report to {final}: {taken} exist there and are not files; remove "
                                  "them or pass another --out")
-        # a report is derived from its runs: an earlier one is replaced whole, and the last line says so
+        # a report is derived from its runs: an earlier one is replaced, and the last line says so; its learning
+        # curves stay unless made again (a --no-plots report of merged runs has none to draw)
         earlier = (final / "table1.md").exists()
         gone = [name for name in ("fresh_seeds.md", "selected.json")  # an earlier selection's, not made again
                 if (final / name).exists() and not (out / name).exists()]
+        kept = sorted(f.name for f in final.glob("curves_*.png") if not (out / f.name).exists())
         for name in gone:
             (final / name).unlink(missing_ok=True)
         for f in sorted(out.iterdir()):
@@ -997,8 +999,9 @@ def write_report(opts, argv, roots: list[Path], runs, skipped, out: Path, final:
     print(f"wrote {final / 'table1.md'}, {final / 'configs.csv'}, {final / 'runs.csv'}"
           + "".join(f", {final / p.name}" for p in plots), file=sys.stderr)
     if earlier:
-        print(f"replaced the report that was in {final}" + (f" (removed its {', '.join(gone)})" if gone else ""),
-              file=sys.stderr)
+        notes = ([f"removed its {', '.join(gone)}"] if gone else []) + (
+            [f"kept its {', '.join(kept)}, not made again"] if kept else [])
+        print(f"replaced the report that was in {final}" + (f" ({'; '.join(notes)})" if notes else ""), file=sys.stderr)
     return 0
 
 

@@ -371,7 +371,8 @@ def load_cells(path: Path, seeds: list[int]) -> list[Cell]:
             if not isinstance(hp, dict) or isinstance(eps, bool) or not isinstance(eps, (int, float)) \
                     or not 0.0 <= eps <= 1.0:
                 raise ValueError(f"entry {e}: needs an epsilon in [0, 1] and hparams as an object of flag: value")
-            check_values(list(hp.values()) or [0], f"cells file '{path}', {e['algorithm']}")
+            for key, value in hp.items():  # one value per flag: flags may share a value (pessimism 0, penalty_scale 0)
+                check_values([value], f"cells file '{path}', {e['algorithm']}.{key}")
             distinct_keys(hp, f"cells file '{path}', {e['algorithm']}")
             for key in hp:
                 why = reserved(norm_key(key))
@@ -435,8 +436,7 @@ def expand_grid(envs, epsilons, algos, seeds, grid: dict | None = None) -> list[
                 why = reserved(key)
                 if why:
                     raise GridError(f"'{key}' {why} and cannot be swept")
-            value_lists = [list(dict.fromkeys(params[k])) for k in keys]  # dedupe, keep order
-            for combo in itertools.product(*value_lists):
+            for combo in itertools.product(*(params[k] for k in keys)):
                 hp = tuple(zip(keys, combo))
                 # a configuration's directory name is a file name (the processes' {key} templates are checked
                 # by the scripts once formatted)
@@ -930,7 +930,8 @@ def _main(opts: argparse.Namespace) -> int:
     envs = list(dict.fromkeys(canonical_env(e) for e in opts.envs))
     algos = list(dict.fromkeys(canonical_algo(a) for a in opts.algos))
     epsilons, seeds = [float(e) for e in opts.epsilons], list(opts.seeds)
-    for name, values in (("--epsilons", epsilons), ("--seeds", seeds)):  # as the scripts do: likely a typo
+    # epsilons as their datasets name them (eps{:g}), as the scripts compare them: a value twice is likely a typo
+    for name, values in (("--epsilons", [f"{e:g}" for e in epsilons]), ("--seeds", seeds)):
         twice = sorted({v for v in values if values.count(v) > 1})
         if twice:
             raise GridError(f"{name} lists {', '.join(map(str, twice))} more than once; give each value once")
@@ -996,11 +997,14 @@ def _main(opts: argparse.Namespace) -> int:
     if unknown:  # every run would fail on it: stop before starting any
         raise GridError(f"{unknown[0]} (see the script's --help for its flags)")
     if not (opts.dry_run or opts.slurm):  # before --out is touched (a dry run or a cluster may name other paths)
-        for script in ([] if opts.no_collect else ["collect_data.py"]) + list(dict.fromkeys(c.script for c in cells)):
+        collect = [] if opts.no_collect or not missing_datasets(cells, repo) else ["collect_data.py"]
+        for script in collect + list(dict.fromkeys(c.script for c in cells)):
             if not (repo / script).is_file():
                 raise GridError(f"script {script} not found in {repo} (use --repo to point at the algorithm scripts)")
-        if not shutil.which(opts.python):
+        python = shutil.which(opts.python)  # absolute: the processes run in --repo, not here
+        if python is None:
             raise GridError(f"--python {opts.python}: no such executable; pass the interpreter the scripts run with")
+        opts.python = python
     lock = None if opts.dry_run else lock_results(out)  # noqa: F841 (held while this function runs)
 
     finished, pending, stale = [], [], []

@@ -905,6 +905,9 @@ def test_aggregate_selection_seeds_fresh_seeds_and_selected_cells(repo, tmp_path
     assert not (rep / "fresh_seeds.md").exists() and not (rep / "selected.json").exists()
     assert capsys.readouterr().err.strip().splitlines()[-1] == (f"replaced the report that was in {rep} (removed its "
                                                                 "fresh_seeds.md, selected.json)")
+    (rep / "curves_CartPole-v1.png").write_bytes(b"png")  # an earlier report's curves, not drawn with --no-plots
+    assert aggregate.main([str(res), "--out", str(rep), "--no-plots"]) == 0
+    assert capsys.readouterr().err.strip().splitlines()[-1].endswith("(kept its curves_CartPole-v1.png, not made again)")
 
 
 def test_a_runner_that_cannot_start_leaves_no_out_directory(tmp_path, capsys):
@@ -915,6 +918,11 @@ def test_a_runner_that_cannot_start_leaves_no_out_directory(tmp_path, capsys):
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and message in err[0], err
         assert not (tmp_path / "o").exists()
+    # flags of one cell may share a value (BRPO's pessimism 0 and penalty scale 0): not a value listed twice
+    cells = tmp_path / "c.json"
+    cells.write_text(json.dumps({"cells": [{"env_id": "CartPole-v1", "epsilon": 0.15, "algorithm": "brpo",
+                                            "hparams": {"pessimism": 0, "penalty_scale": 0, "mu": 0.1, "cql_alpha": 0.1}}]}))
+    assert run_grid.main(["--cells", str(cells), "--seeds", "6", "--dry-run", "--out", str(tmp_path / "o")]) == 0
 
 
 def test_aggregate_algos_restricts_the_columns(tmp_path, capsys):

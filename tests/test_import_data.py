@@ -160,7 +160,10 @@ BAD = {
         np.arange(len(L["actions"]))[:, None] == 3, 1e300, L["observations"].astype(np.float64))}, "beyond float32"),
     "probabilities and propensities that disagree": (lambda L: {**L, "behavior_probs": np.full((len(L["actions"]), 2),
         0.5), "propensities": np.full(len(L["actions"]), 0.75)}, "disagree at"),
-    "a misspelt array": (lambda L: {**L, "propensity": np.full(len(L["actions"]), 0.5)}, "did you mean 'propensities'"),
+    "a misspelt array": (lambda L: {**L, "propensity": np.full(len(L["actions"]), 0.5)}, "'propensities', which it"),
+    "NaN propensities beside probabilities": (lambda L: {**L, "behavior_probs": np.full((len(L["actions"]), 2), 0.5),
+                                                         "propensities": np.full(len(L["actions"]), np.nan)},
+                                              "propensities must lie"),
     "action beyond int64": (lambda L: {**L, "actions": np.where(np.arange(len(L["actions"])) == 3, 1e300,
                                                                   L["actions"].astype(np.float64))}, "outside the action space"),
 }
@@ -228,16 +231,25 @@ def test_a_misspelt_column_is_refused_and_others_are_ignored_aloud(tmp_path):
     propensity: the import would estimate the behaviour policy instead): refused; a user id is ignored, and said."""
     lines = (REPO / "examples" / "logs_example.csv").read_text().splitlines()
     (tmp_path / "typo.csv").write_text("\n".join([lines[0].replace("propensity", "propensty")] + lines[1:]) + "\n")
-    (tmp_path / "extra.csv").write_text("\n".join([lines[0] + ",user_id"] + [x + ",7" for x in lines[1:]]) + "\n")
+    (tmp_path / "extra.csv").write_text("\n".join([lines[0] + ",user_id,episode_id,timestamp,p_action"]
+                                                  + [x + ",7,3,2026-01-01T00:00:00,0.5" for x in lines[1:]]) + "\n")
     args = ["--env-id", "CartPole-v1", "--fit-steps", "200"]
     proc = run_in_process([REPO / "import_data.py", "--logs", tmp_path / "typo.csv", "--dataset-path",
                            tmp_path / "t.npz", *args])
-    assert proc.returncode == 1 and proc.stderr.count("\n") == 1 and "did you mean 'propensity'" in proc.stderr
+    assert proc.returncode == 1 and proc.stderr.count("\n") == 1 and "'propensity', which it resembles, is missing" in proc.stderr
     assert not (tmp_path / "t.npz").exists()
     proc = run_in_process([REPO / "import_data.py", "--logs", tmp_path / "extra.csv", "--dataset-path",
                            tmp_path / "e.npz", *args])
-    assert proc.returncode == 0 and "ignoring columns ['user_id']" in proc.stdout, proc.stderr
+    assert proc.returncode == 0, proc.stderr
+    assert "ignoring columns ['user_id', 'episode_id', 'timestamp', 'p_action']" in proc.stdout
     assert "logged propensities" in proc.stdout
+    # an .npz array the importer does not read is not checked either (here: one value per episode)
+    with np.load(tmp_path / "e.npz") as f:
+        logs = {k: f[k] for k in ("observations", "actions", "rewards", "terminals", "timeouts")}
+    np.savez(tmp_path / "extra.npz", **logs, episode_returns=np.zeros(3))
+    proc = run_in_process([REPO / "import_data.py", "--logs", tmp_path / "extra.npz", "--dataset-path",
+                           tmp_path / "n.npz", *args])
+    assert proc.returncode == 0 and "ignoring arrays ['episode_returns']" in proc.stdout, proc.stderr
 
 
 def test_without_a_simulator_the_certificate_is_the_score(own, tmp_path):

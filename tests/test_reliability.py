@@ -4,6 +4,7 @@ full disks and unwritable directories need a real process."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 import fcntl
@@ -128,7 +129,7 @@ BAD_ARGS = {
     "run name not UTF-8": (dict(run_name="\udcff"), "printable characters"),
     "run name too long": (dict(run_name="a" * 300), "at most 255 bytes each"),
     "--overwrite's own directory": (dict(run_name="a/.replaced/b"), "no '.replaced'"),
-    "a task with no simulator nor dataset": (dict(env_id="MyTask-v0", dataset_path=None), "--dataset-path"),
+    "a task with no simulator nor dataset": (dict(env_id="MyTask-v0", dataset_path=None), "import_data.py made"),
     "a swept value twice": (dict(sweep=("learning-rate=1e-3,0.001",)), "0.001 more than once"),
     "dataset name too long": (dict(dataset_path="/tmp/" + "a" * 300 + ".npz"), "File name too long"),
     "empty runs dir": (dict(runs_dir=""), "--runs-dir must not be empty"),
@@ -173,15 +174,26 @@ def test_unwritable_runs_dir_under_a_file(name, datasets, tmp_path):
     assert "cannot create the run directory" in message and "--runs-dir" in message
 
 
-def test_a_signal_after_the_runs_finished_does_not_fail_them(monkeypatch):
-    """Once main() has returned, what the runs wrote is final: a Ctrl-C while the interpreter shuts down (about a
-    second) must not end in 'interrupted' and exit 130 with the results on disk."""
+@pytest.mark.parametrize("status", (0, 1))
+def test_a_signal_after_the_runs_finished_does_not_fail_them(status, monkeypatch):
+    """Once main() has returned (or exited 1: a member failed alone), what the runs wrote is final: a Ctrl-C while the
+    interpreter shuts down (about a second) ends the process with main's status, not 'interrupted' and exit 130."""
     common = load_script("dqn_offline.py").common
     monkeypatch.setattr(sys, "argv", ["dqn_offline.py"])
+    exits = []
+    monkeypatch.setattr(common.os, "_exit", exits.append)
+
+    def main(args):
+        if status:
+            raise SystemExit(status)
+
     before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
     try:
-        common.cli(dataclasses.make_dataclass("Args", []), lambda args: None)
-        assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN and signal.getsignal(signal.SIGTERM) == signal.SIG_IGN
+        with contextlib.suppress(SystemExit):
+            common.cli(dataclasses.make_dataclass("Args", []), main)
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.getsignal(sig)(sig, None)
+        assert exits == [status, status]
     finally:
         signal.signal(signal.SIGINT, before[0])
         signal.signal(signal.SIGTERM, before[1])
