@@ -291,14 +291,14 @@ def load_behavior(path: Path, env: gym.Env) -> dict:
         with np.load(path, allow_pickle=False) as f:
             keys = ("w0", "b0", "w1", "b1", "w2", "b2")
             missing = [k for k in keys if k not in f.files]
-            weights = {} if missing else {k: f[k] for k in keys}
+            if missing:  # fail's SystemExit is not caught below
+                fail(f"behaviour network {path} lacks the arrays {missing}; pass a network this script wrote "
+                     "(behavior_policies/<env>.npz), or train one into a new file with --train-behavior")
+            weights = {k: f[k] for k in keys}
     except FileNotFoundError:
         fail(f"behaviour network {path} not found; create it with --train-behavior")
     except Exception as e:  # not an .npz, a corrupt zip, ...
         fail(f"behaviour network {path} is unreadable ({common.npz_error(path, e)}); pass a network this script wrote "
-             "(behavior_policies/<env>.npz), or train one into a new file with --train-behavior")
-    if missing:
-        fail(f"behaviour network {path} lacks the arrays {missing}; pass a network this script wrote "
              "(behavior_policies/<env>.npz), or train one into a new file with --train-behavior")
     obs_dim, n_actions = env.observation_space.shape[0], int(env.action_space.n)
     if weights["w0"].ndim == 2 and weights["w2"].ndim == 2 and (weights["w0"].shape[1] != obs_dim

@@ -489,6 +489,16 @@ def run_directory(args):
     except OSError as e:
         fail(f"cannot create the run directory {run_dir} ({e.strerror}); pass a writable --runs-dir and a valid "
              f"--run-name")
+
+    def undo() -> None:
+        """As if this run had not started: what it wrote goes, the run it was replacing comes back, and the
+        directories it created go if empty (run_grid.py's run.log stays)."""
+        with contextlib.suppress(OSError):
+            remove_run_files(run_dir)
+            restore_replaced(run_dir)
+            for p in dict.fromkeys([run_dir, *created]):
+                p.rmdir()
+
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released when the process ends, however it ends
@@ -525,21 +535,14 @@ def run_directory(args):
                 closing = threading.Thread(target=close_quietly, args=(writer,), daemon=True)  # may have struck
                 closing.start()  # while the writer's queue held its lock (interrupt); run_grid waits 10 s
                 closing.join(5)
-            with contextlib.suppress(OSError):
-                remove_run_files(run_dir)
-                restore_replaced(run_dir)
-                for p in dict.fromkeys([run_dir, *created]):  # only if empty (run_grid.py's run.log stays)
-                    p.rmdir()
+            undo()
             if isinstance(e, OSError) and not isinstance(e, BrokenPipeError):  # that one is stdout's (cli)
                 fail(f"cannot write to {run_dir} ({e.strerror or e}); nothing of this run was kept")
             raise
         if (run_dir / "result.json").exists():  # finished: what it replaced goes
             shutil.rmtree(run_dir / REPLACED, ignore_errors=True)
-        else:  # failed alone (a member whose training diverged): as if it had not started
-            restore_replaced(run_dir)
-            with contextlib.suppress(OSError):
-                for p in dict.fromkeys([run_dir, *created]):  # only if empty (run_grid.py's run.log stays)
-                    p.rmdir()
+        else:  # failed alone (a member whose training diverged)
+            undo()
     finally:
         os.close(fd)
 

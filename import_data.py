@@ -150,13 +150,13 @@ def read_names(names, path: Path, table: bool) -> list:
     read = [n for n in names if n in known or (table and NUMBERED.fullmatch(n))]
     unknown = [n for n in names if n not in read]
     base = lambda n: "prob_" if n.startswith("prob_") else n  # noqa: E731
-    supplied = {base(n) for n in read} | {a for group in ALTERNATIVES if {base(n) for n in read} & set(group)
-                                          for a in group}
+    supplied = {base(n) for n in read}
+    supplied |= {a for group in ALTERNATIVES if supplied & set(group) for a in group}
     for n in unknown if table or "format_version" not in names else ():  # a dataset's own arrays are no typos
         digits = re.search(r"\d*$", n).group() or "0"
         numbered = (f"{p}_{digits}" for p in ("obs", "next_obs", "prob")) if table else ()
         like = difflib.get_close_matches(n, (*known, *numbered), 1, 0.8)
-        if like and like[0] not in supplied and base(like[0]) not in supplied:
+        if like and base(like[0]) not in supplied:
             fail(f"logs {path}: {'column' if table else 'array'} {n!r} is not one the importer reads, and "
                  f"{like[0]!r}, which it resembles, is missing: if it holds that, rename it (docs/import.md lists the "
                  "names); if not, drop it")
@@ -428,10 +428,11 @@ def main(args: Args) -> None:
         obs_dim = obs.shape[1]
         n_actions = args.n_actions if args.n_actions is not None else (np.asarray(logs["behavior_probs"]).shape[-1] if "behavior_probs" in logs
                                        else int(a.max()) + 1)
-        require(2 <= n_actions <= MAX_ACTIONS, (f"--n-actions {n_actions}:" if args.n_actions is not None else
-                f"logs {source} show {n_actions:.3g} action(s);") + f" at least 2 and at most {MAX_ACTIONS} are "
-                "supported" + ("" if args.n_actions is not None else " (pass --n-actions if the logs do not show every "
-                "action)"))
+        supported = f"at least 2 and at most {MAX_ACTIONS} are supported"
+        if args.n_actions is not None:
+            require(2 <= n_actions <= MAX_ACTIONS, f"--n-actions {n_actions}: {supported}")
+        require(2 <= n_actions <= MAX_ACTIONS, f"logs {source} show {n_actions:.3g} action(s); {supported} (pass "
+                "--n-actions if the logs do not show every action)")
         print(f"{env_id} is not an installed gymnasium task: the scripts will train on this dataset without a simulator, "
               "scored by the improvement certificate", flush=True)
     require(args.behavior_floor * n_actions < 1.0, f"--behavior-floor {args.behavior_floor} leaves no mass for "

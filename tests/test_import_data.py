@@ -228,7 +228,8 @@ def test_csv_header_quirks(tmp_path):
 
 def test_a_misspelt_column_is_refused_and_others_are_ignored_aloud(tmp_path):
     """A column the importer does not read but whose name is close to one it does would be dropped unseen (a misspelt
-    propensity: the import would estimate the behaviour policy instead): refused; a user id is ignored, and said."""
+    propensity: the import would estimate the behaviour policy instead): refused; a user id, an episode id, a timestamp
+    are ignored (not even parsed), and the import says so."""
     lines = (REPO / "examples" / "logs_example.csv").read_text().splitlines()
     (tmp_path / "typo.csv").write_text("\n".join([lines[0].replace("propensity", "propensty")] + lines[1:]) + "\n")
     (tmp_path / "extra.csv").write_text("\n".join([lines[0] + ",user_id,episode_id,timestamp,p_action"]
@@ -236,7 +237,8 @@ def test_a_misspelt_column_is_refused_and_others_are_ignored_aloud(tmp_path):
     args = ["--env-id", "CartPole-v1", "--fit-steps", "200"]
     proc = run_in_process([REPO / "import_data.py", "--logs", tmp_path / "typo.csv", "--dataset-path",
                            tmp_path / "t.npz", *args])
-    assert proc.returncode == 1 and proc.stderr.count("\n") == 1 and "'propensity', which it resembles, is missing" in proc.stderr
+    assert proc.returncode == 1 and proc.stderr.count("\n") == 1, proc.stderr
+    assert "'propensity', which it resembles, is missing" in proc.stderr
     assert not (tmp_path / "t.npz").exists()
     proc = run_in_process([REPO / "import_data.py", "--logs", tmp_path / "extra.csv", "--dataset-path",
                            tmp_path / "e.npz", *args])
