@@ -104,25 +104,12 @@ class Args:
 
 # ---------------------------------------------------------------------------------------------
 # Errors: one line, non-zero exit, nothing half-written.
-def fail(msg: str) -> None:
-    raise SystemExit(f"{Path(sys.argv[0]).name}: error: {msg}")
+fail = common.fail
 
 
 def make_env(env_id: str) -> gym.Env:
-    if env_id == "LunarLander-v2":
-        fail("LunarLander-v2 is not registered in gymnasium 1.x; use --env-id LunarLander-v3")
-    try:
-        env = gym.make(env_id, disable_env_checker=True)
-    except gym.error.Error as e:
-        fail(f"cannot make environment {env_id!r}: {common.ended(e)} This script collects in a gymnasium task's "
-             "simulator; import logs of another task with import_data.py")
-    except ModuleNotFoundError as e:
-        fail(f"environment {env_id!r} needs a missing package ({e}); pip install 'gymnasium[box2d]'")
-    if not isinstance(env.action_space, gym.spaces.Discrete):
-        fail(f"{env_id} has a {type(env.action_space).__name__} action space; BRPO needs discrete actions")
-    if not isinstance(env.observation_space, gym.spaces.Box) or len(env.observation_space.shape) != 1:
-        fail(f"{env_id} has {env.observation_space} observations; only vector observations (a 1-D Box) are supported")
-    return env
+    return common.make_env(env_id, "This script collects in a gymnasium task's simulator; import logs of another "
+                           "task with import_data.py")
 
 
 def default_dataset_path(env_id: str, epsilon: float) -> Path:

@@ -208,7 +208,8 @@ def ended(e: Exception) -> str:
     return text if text.endswith((".", "?", "!")) else text + "."
 
 
-def make_env(env_id: str) -> gym.Env:
+def make_env(env_id: str, unknown_hint: str = "Pass an installed gymnasium task, or with the logs of another task, "
+             "the dataset import_data.py made of them with --dataset-path") -> gym.Env:
     if env_id == "LunarLander-v2":
         fail("LunarLander-v2 is not registered in gymnasium 1.x; use --env-id LunarLander-v3")
     try:
@@ -216,8 +217,7 @@ def make_env(env_id: str) -> gym.Env:
             warnings.simplefilter("ignore")
             env = gym.make(env_id, disable_env_checker=True)
     except gym.error.Error as e:
-        fail(f"cannot make environment {env_id!r}: {ended(e)} Pass an installed gymnasium task, or with the logs of "
-             "another task, the dataset import_data.py made of them with --dataset-path")
+        fail(f"cannot make environment {env_id!r}: {ended(e)} {unknown_hint}")
     except ModuleNotFoundError as e:
         fail(f"environment {env_id!r} needs a missing package ({e}); pip install 'gymnasium[box2d]'")
     if not isinstance(env.action_space, gym.spaces.Discrete):
