@@ -37,7 +37,6 @@ if __name__ == "__main__":  # an interrupt while the libraries below load has no
 
 import gymnasium as gym
 import numpy as np
-import tyro
 
 import common  # the scripts' evaluator and defaults, which score beta's return
 
@@ -428,7 +427,7 @@ if __name__ == "__main__":
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # stopped like interrupted: no partial file stays
     args = None
     try:
-        args = tyro.cli(Args)
+        args = common.parse(Args)
         main(args)
     except BaseException as e:
         for directory in CREATED:  # deepest first; a directory holding an earlier, complete dataset stays

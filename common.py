@@ -731,6 +731,44 @@ def stop_if_interrupted() -> None:
         raise KeyboardInterrupt
 
 
+def parse(args_type):
+    """tyro.cli, with a parse error in one line: tyro's box (message, suggestion, argument helptext) condensed, exit
+    2 as tyro's; --help and anything else tyro prints pass through unchanged, and so does a box of another shape."""
+    captured, prog = io.StringIO(), Path(sys.argv[0]).name
+    try:
+        with contextlib.redirect_stderr(captured):
+            args = tyro.cli(args_type)
+    except SystemExit as e:
+        line = usage_error(captured.getvalue()) if e.code not in (0, None) else ""
+        sys.stderr.write(f"{prog}: error: {line} (see {prog} --help)\n" if line else captured.getvalue())
+        raise SystemExit(2 if line else e.code) from None
+    sys.stderr.write(captured.getvalue())
+    return args
+
+
+def usage_error(text: str) -> str:
+    """One line from tyro's error box, drawn in Unicode or (a non-UTF-8 stdout) ASCII: the section under its title, then
+    '; perhaps you meant --x' or '; usage: --x TYPE'. Empty if the text is not such a box."""
+    rows = [r for r in (line.replace("\u2502", " ").rstrip() for line in text.splitlines()) if r]  # sides blanked
+    unicode_box = bool(rows) and rows[0].lstrip()[0] == "\u256d"
+    if not (unicode_box or len(rows) > 1 and set(rows[1].strip()) == {"-"}):
+        return ""
+    sections = [[]]  # rows as (indentation, text)
+    for r in rows[1:] if unicode_box else rows[2:]:  # under the title: its top edge, or its own row and rule
+        if len(r.strip()) > 2 and set(r.strip()) <= {"\u2500", "-"}:  # a rule between sections
+            sections.append([])
+        elif r.lstrip()[0] != "\u2570":  # not the bottom edge
+            sections[-1].append((len(r) - len(r.lstrip()), r.strip()))
+    message = " ".join(text for _, text in sections[0])
+    for (_, head), *rest in (section for section in sections[1:] if section and message):
+        if rest and "meant" in head:  # options, each above its indented description
+            options = [text.split()[0] for indent, text in rest if indent == rest[0][0] and text.startswith("-")]
+            message += ("; perhaps you meant " + " or ".join(options)) if options else ""
+        elif rest and head.startswith("Argument helptext") and rest[0][1].startswith("-"):
+            message += "; usage: " + rest[0][1]
+    return message
+
+
 def cli(args_type, main) -> None:
     """`python script.py --flags`: Ctrl-C or SIGTERM removes what the run wrote and ends in one line, exit 130; so
     does standard output closed by its reader (`| head`) once the run has started, exit 141 (as SIGPIPE would)."""
@@ -745,7 +783,7 @@ def cli(args_type, main) -> None:
         # --sweep is a list: a second --sweep would silently replace the first (tyro keeps the last)
         require(sum(a == "--sweep" or a.startswith("--sweep=") for a in sys.argv[1:]) <= 1, "--sweep is given more "
                 "than once; name every swept flag in one --sweep, e.g. --sweep mu=0.5,0.9 learning-rate=1e-3,3e-4")
-        args = tyro.cli(args_type)
+        args = parse(args_type)
         status = None
         try:
             main(args)

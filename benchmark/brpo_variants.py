@@ -143,7 +143,7 @@ def main(args: Args) -> None:
 
 if __name__ == "__main__":
     try:
-        main(tyro.cli(Args))
+        main(common.parse(Args))
     except BrokenPipeError:  # `| head`: stop quietly, as run_grid.py does
         common.quiet_stdout()
         sys.exit(0)

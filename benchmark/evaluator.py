@@ -22,7 +22,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import tyro
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -109,7 +108,7 @@ def main(args: Args) -> None:
 
 if __name__ == "__main__":
     try:
-        main(tyro.cli(Args))
+        main(common.parse(Args))
     except BrokenPipeError:  # `| head`: stop quietly, as run_grid.py does
         common.quiet_stdout()
         sys.exit(0)

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import ALGORITHMS, REPO, run
+from conftest import ALGORITHMS, REPO, run, run_in_process
 from test_common import load_script, main_in_process
 
 TINY = ["--total-steps", "200", "--eval-frequency", "100", "--eval-episodes", "2"]
@@ -148,6 +148,34 @@ def test_bad_arguments_are_refused_up_front(name, datasets, tmp_path):
         assert "error" in message and "\n" not in message, message
         assert needle in message, (case, message)
     assert not (tmp_path.parent / "escaped").exists() and not Path("/tmp/abs").exists()
+
+
+@pytest.mark.parametrize("name", [*ALGORITHMS, "collect_data.py", "import_data.py", "certify.py"])
+def test_flags_that_do_not_parse_are_one_line(name):
+    """tyro's multi-line error box becomes one line (what is wrong, then a suggestion or the flag's usage), exit 2;
+    --help still prints its help."""
+    cases = {"--seedz": (["--seedz", "3"], "Unrecognized options: --seedz, 3")}
+    if name in ALGORITHMS:
+        cases["a typo"] = (["--total-stepz", "5"], "--total-stepz, 5; perhaps you meant --total-steps")
+        cases["a value"] = (["--seed", "abc"], "Error parsing --seed: invalid literal for int() with base 10: 'abc'; "
+                                               "usage: --seed INT")
+    for argv, needle in cases.values():
+        proc = run_in_process([REPO / name, *(["x.pt"] if name == "certify.py" else []), *argv])
+        assert proc.returncode == 2 and proc.stderr.endswith(f"(see {name} --help)\n"), proc.stderr
+        failed_cleanly(proc, f"{name}: error: ")
+        assert needle in proc.stderr, proc.stderr
+    shown = run_in_process([REPO / name, "--help"])
+    assert shown.returncode == 0 and "usage:" in shown.stdout and not shown.stderr, shown.stderr
+
+
+def test_a_flag_that_does_not_parse_is_one_line_from_a_unicode_box():
+    """The same in a new interpreter with UTF-8 output, where tyro draws its box in Unicode (in-process above, stdout is
+    captured and the box is ASCII); text that is not tyro's box is left to pass through."""
+    proc = subprocess.run([sys.executable, REPO / "bc.py", "--total-stepz", "5"], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONIOENCODING": "utf-8"}, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    failed_cleanly(proc, "bc.py: error: Unrecognized options: --total-stepz, 5; perhaps you meant --total-steps (see")
+    assert load_script("dqn_offline.py").common.usage_error("usage: bc.py [-h]\nbc.py: error: something else\n") == ""
 
 
 @pytest.mark.parametrize("name", [n for n in ALGORITHMS if n != "bc.py"])
