@@ -30,7 +30,6 @@ scored, so results from before a change of that measurement can be compared with
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import csv
 import datetime
@@ -51,7 +50,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from run_grid import (ALGORITHMS, ENVS, ENV_RENAMES, PAPER_ALGORITHMS, RESULT_FILE, check_result, fmt_value,  # noqa: E402
+from run_grid import (ALGORITHMS, ENVS, ENV_RENAMES, PAPER_ALGORITHMS, RESULT_FILE, Parser, check_result, fmt_value,  # noqa: E402
                       norm_key, parse_value)
 
 PAPER_CSV = Path(__file__).resolve().parent / "paper_table1.csv"
@@ -826,7 +825,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="aggregate.py", description=__doc__.split("\n\n")[0])
+    p = Parser(prog="aggregate.py", description=__doc__.split("\n\n")[0])
     p.add_argument("results_dirs", type=Path, nargs="+", metavar="RESULTS_DIR",
                    help="directory searched recursively for result.json; several (e.g. a sweep and its fresh seeds, "
                         "each written by run_grid.py) are read as one, a run found in two of them is an error")

@@ -12,14 +12,13 @@ same datasets) and the paper's numbers from benchmark/paper_table1.csv; prints t
 """
 from __future__ import annotations
 
-import argparse
 import math
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from aggregate import LABELS, PAPER_CSV, AggregateError, load_paper, read_table  # noqa: E402
-from run_grid import ENVS, PAPER_EPSILONS  # noqa: E402
+from run_grid import ENVS, PAPER_EPSILONS, Parser  # noqa: E402
 
 SHORT = {"CartPole-v1": "CartPole", "Acrobot-v1": "Acrobot", "LunarLander-v3": "LunarLander"}
 
@@ -96,7 +95,7 @@ def table(defaults_dir: Path, protocol_dir: Path) -> str:
 
 
 if __name__ == "__main__":
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = Parser(description=__doc__.split("\n\n")[0])
     p.add_argument("defaults_dir", type=Path, help="aggregate.py's output for the defaults (benchmark/table1_result)")
     p.add_argument("protocol_dir", type=Path,
                    help="aggregate.py's output for the paper's protocol (benchmark/paper_protocol_result)")

@@ -867,8 +867,15 @@ def write_slurm(packs: list[Pack], settings: dict, out: Path, repo: Path, python
 # --------------------------------------------------------------------------------------------
 # CLI
 # --------------------------------------------------------------------------------------------
+class Parser(argparse.ArgumentParser):
+    """argparse with a usage error in one line (the scripts' form), not the usage block above it."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def make_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="run_grid.py", description=__doc__.split("\n\n")[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     g = p.add_argument_group("grid")

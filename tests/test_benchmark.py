@@ -429,6 +429,17 @@ def test_benchmark_tools_refuse_bad_flags_in_one_line(tmp_path):
     assert not list(tmp_path.iterdir())
 
 
+def test_flags_argparse_cannot_parse_are_one_line(capsys):
+    """run_grid.py and aggregate.py (and headline_table.py, the same Parser): no usage block above the error line."""
+    for main, argv, needle in ((run_grid.main, ["--workerz", "2"], "run_grid.py: error: unrecognized arguments: "
+                                "--workerz 2 (see run_grid.py --help)"),
+                               (aggregate.main, [], "aggregate.py: error: the following arguments are required: "
+                                "RESULTS_DIR (see aggregate.py --help)")):
+        with pytest.raises(SystemExit) as exc:
+            main(argv)
+        assert exc.value.code == 2 and capsys.readouterr().err == needle + "\n"
+
+
 def test_grid_and_cells_files_name_each_flag_once_and_values_without_commas(tmp_path, capsys):
     grid = tmp_path / "g.json"
     grid.write_text(json.dumps({"algorithms": {"dqn": {"learning-rate": [0.001], "learning_rate": [0.0003]}}}))
