@@ -50,8 +50,8 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from run_grid import (ALGORITHMS, ENVS, ENV_RENAMES, PAPER_ALGORITHMS, RESULT_FILE, Parser, check_result, fmt_value,  # noqa: E402
-                      norm_key, parse_value)
+from run_grid import (ALGORITHMS, ENVS, ENV_RENAMES, PAPER_ALGORITHMS, RESULT_FILE, Parser, check_result,  # noqa: E402
+                      fmt_value, norm_key, parse_value)
 
 PAPER_CSV = Path(__file__).resolve().parent / "paper_table1.csv"
 LABELS = {key: label for key, (_, label) in ALGORITHMS.items()}
