@@ -760,7 +760,9 @@ def usage_error(text: str) -> str:
         elif r.lstrip()[0] != "\u2570":  # not the bottom edge
             sections[-1].append((len(r) - len(r.lstrip()), r.strip()))
     message = " ".join(text for _, text in sections[0])
-    for (_, head), *rest in (section for section in sections[1:] if section and message):
+    if not message:
+        return ""
+    for (_, head), *rest in (section for section in sections[1:] if section):
         if rest and "meant" in head:  # options, each above its indented description
             options = [text.split()[0] for indent, text in rest if indent == rest[0][0] and text.startswith("-")]
             message += ("; perhaps you meant " + " or ".join(options)) if options else ""

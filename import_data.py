@@ -429,10 +429,9 @@ def main(args: Args) -> None:
         n_actions = args.n_actions if args.n_actions is not None else (np.asarray(logs["behavior_probs"]).shape[-1] if "behavior_probs" in logs
                                        else int(a.max()) + 1)
         supported = f"at least 2 and at most {MAX_ACTIONS} are supported"
-        if args.n_actions is not None:
-            require(2 <= n_actions <= MAX_ACTIONS, f"--n-actions {n_actions}: {supported}")
-        require(2 <= n_actions <= MAX_ACTIONS, f"logs {source} show {n_actions:.3g} action(s); {supported} (pass "
-                "--n-actions if the logs do not show every action)")
+        require(2 <= n_actions <= MAX_ACTIONS, f"--n-actions {n_actions}: {supported}" if args.n_actions is not None
+                else f"logs {source} show {n_actions:.3g} action(s); {supported} (pass --n-actions if the logs do not "
+                "show every action)")
         print(f"{env_id} is not an installed gymnasium task: the scripts will train on this dataset without a simulator, "
               "scored by the improvement certificate", flush=True)
     require(args.behavior_floor * n_actions < 1.0, f"--behavior-floor {args.behavior_floor} leaves no mass for "
