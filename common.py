@@ -743,6 +743,10 @@ def parse(args_type):
         sys.stderr.write(f"{prog}: error: {line} (see {prog} --help)\n" if line else captured.getvalue())
         raise SystemExit(2 if line else e.code) from None
     sys.stderr.write(captured.getvalue())
+    given = {a.partition("=")[0] for a in sys.argv[1:] if a.startswith("--")}
+    for one in ("--seed", "--epsilon"):  # else the list would win silently: other runs than the ones asked for
+        require(not {one, one + "s"} <= given, f"{one} and {one}s were both given; pass {one}s alone to train "
+                f"several, or {one} alone for one")
     return args
 
 

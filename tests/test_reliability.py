@@ -168,6 +168,14 @@ def test_flags_that_do_not_parse_are_one_line(name):
     assert shown.returncode == 0 and "usage:" in shown.stdout and not shown.stderr, shown.stderr
 
 
+def test_a_flag_and_its_list_together_are_refused():
+    """--seed 2 --seeds 1 3 would train seeds 1 and 3 only: one line instead (either spelling of the flag)."""
+    for argv, both in ((["--seed", "2", "--seeds", "1", "3"], "--seed and --seeds"),
+                       (["--epsilons", "0.05", "--epsilon=0.15"], "--epsilon and --epsilons")):
+        proc = run_in_process([REPO / "bc.py", *argv])
+        failed_cleanly(proc, f"bc.py: error: {both} were both given; pass ")
+
+
 def test_a_flag_that_does_not_parse_is_one_line_from_a_unicode_box():
     """The same in a new interpreter with UTF-8 output, where tyro draws its box in Unicode (in-process above, stdout is
     captured and the box is ASCII); text that is not tyro's box is left to pass through."""
