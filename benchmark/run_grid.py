@@ -451,10 +451,10 @@ def expand_grid(envs, epsilons, algos, seeds, grid: dict | None = None) -> list[
     return cells
 
 
-def script_flags(script: Path) -> set[str] | None:
-    """Field names of the script's `Args` dataclass (its flags, underscore spelling) with those of its base classes in
-    common.py (the shared flags), read with ast so that the list cannot drift from the scripts; None if the script or
-    its Args class cannot be read."""
+def script_flags(script: Path) -> dict[str, str] | None:
+    """Field names of the script's `Args` dataclass (its flags, underscore spelling), each with its annotation's text,
+    with those of its base classes in common.py (the shared flags), read with ast so that the list cannot drift from
+    the scripts; None if the script or its Args class cannot be read."""
     def classes(path: Path) -> dict:
         try:
             return {n.name: n for n in ast.parse(path.read_text()).body if isinstance(n, ast.ClassDef)}
@@ -463,28 +463,41 @@ def script_flags(script: Path) -> set[str] | None:
 
     shared = classes(Path(script).parent / "common.py")
 
-    def fields(node: ast.ClassDef) -> set[str]:
-        own = {t.target.id for t in node.body if isinstance(t, ast.AnnAssign) and isinstance(t.target, ast.Name)}
+    def fields(node: ast.ClassDef) -> dict[str, str]:
+        own = {t.target.id: ast.unparse(t.annotation) for t in node.body
+               if isinstance(t, ast.AnnAssign) and isinstance(t.target, ast.Name)}
         for base in node.bases:  # common.TDArgs or TDArgs
             name = base.attr if isinstance(base, ast.Attribute) else getattr(base, "id", None)
             if name in shared:
-                own |= fields(shared[name])
+                own = fields(shared[name]) | own
         return own
 
     args = classes(Path(script)).get("Args")
     return fields(args) if args is not None else None
 
 
-def unknown_flag_warnings(grid: dict, repo: Path | None = None) -> list[str]:
+SCALARS = {"float": (int, float), "int": (int,), "bool": (bool,)}  # what each annotation's --sweep accepts
+
+
+def flag_errors(grid: dict, repo: Path | None = None) -> list[str]:
+    """Flags the scripts do not have, and values of a type theirs cannot parse (mu=abc): every run would fail on
+    them, so the grid stops before starting any (a dry run included). Ranges stay the scripts' own checks."""
     repo = Path(repo) if repo else Path(__file__).resolve().parent.parent
     out = []
     for algo, params in grid.items():
         script = ALGORITHMS[algo][0]
         known = script_flags(repo / script)
-        for key in dict.fromkeys(k for block in param_blocks(params) for k in block):
-            if known is not None and key not in known:
-                out.append(f"--{key.replace('_', '-')} is not a flag of {script}")
-    return out
+        for block in param_blocks(params):
+            for key, values in block.items():
+                flag = f"--{key.replace('_', '-')}"
+                if known is not None and key not in known:
+                    out.append(f"{flag} is not a flag of {script}")
+                    continue
+                kind = re.sub(r"^Optional\[(.*)\]$", r"\1", known[key]) if known is not None else None
+                for v in values if kind in SCALARS else ():
+                    if not isinstance(v, SCALARS[kind]) or isinstance(v, bool) != (kind == "bool"):
+                        out.append(f"{flag} of {script} takes {kind} values, got {v!r}")
+    return list(dict.fromkeys(out))
 
 
 # --------------------------------------------------------------------------------------------
@@ -1000,9 +1013,9 @@ def _main(opts: argparse.Namespace) -> int:
             grid.setdefault(c.algo, {}).update({k: [v] for k, v in c.hparams})
         envs, epsilons, algos = (list(dict.fromkeys(getattr(c, f) for c in cells))
                                  for f in ("env_id", "epsilon", "algo"))
-    unknown = unknown_flag_warnings(grid, repo)
-    if unknown:  # every run would fail on it: stop before starting any
-        raise GridError(f"{unknown[0]} (see the script's --help for its flags)")
+    errors = flag_errors(grid, repo)
+    if errors:
+        raise GridError(f"{errors[0]} (see the script's --help for its flags)")
     if not (opts.dry_run or opts.slurm):  # before --out is touched (a dry run or a cluster may name other paths)
         collect = [] if opts.no_collect or not missing_datasets(cells, repo) else ["collect_data.py"]
         for script in collect + list(dict.fromkeys(c.script for c in cells)):

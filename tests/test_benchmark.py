@@ -224,13 +224,13 @@ def test_paper_sweep_file_matches_paper_ranges():
     assert [brpo_alpha[k] for k in narrowed] == [[0.03, 0.3], [0.1, 0.9], [0.0001]]
     assert len(cells) == expected == 9 + 135 * 3 + (108 + 36 + 24) * 3 + 36 + 36 + 36 + 3
     assert len({c.run_name for c in cells}) == len(cells)
-    assert run_grid.unknown_flag_warnings(grid) == []
+    assert run_grid.flag_errors(grid) == []
     # CQL, not in the paper: DQN's ranges and our alpha range, every flag one of cql_discrete.py's
     grid = run_grid.load_grid_file(BENCH / "paper_sweep.json", list(ALGORITHMS))
     assert {k: v for k, v in grid["cql"][0].items() if k != "cql_alpha"} == grid["dqn"][0]
     assert grid["cql"][0]["cql_alpha"] == [0.1, 0.5, 1.0, 2.0, 5.0]
     assert len(expand_grid(["CartPole-v1"], [0.5], ["cql"], [1], grid)) == 9 * 5
-    assert run_grid.unknown_flag_warnings(grid) == []
+    assert run_grid.flag_errors(grid) == []
     # the specific part: the same blocks without the learning rate and target period
     specific = run_grid.load_grid_file(BENCH / "paper_sweep_specific.json", list(ALGORITHMS))
     assert specific["brpo"] == [{k: v for k, v in b.items() if k not in ("learning_rate", "target_update_frequency")}
@@ -266,10 +266,17 @@ def test_default_grid_is_the_papers_seven_and_cql_is_known():
 
 
 def test_flags_are_read_from_the_scripts():
-    assert {"mu", "confidence_learning_rate", "penalty_scale", "kappa_max"} <= run_grid.script_flags(BENCH.parent / "brpo.py")
+    brpo = run_grid.script_flags(BENCH.parent / "brpo.py")  # with their annotations, the shared ones from common.py
+    assert {"mu", "confidence_learning_rate", "penalty_scale", "kappa_max"} <= brpo.keys()
+    assert brpo["mu"] == brpo["learning_rate"] == "float" and brpo["target_update_frequency"] == "int"
     assert "lam" in run_grid.script_flags(BENCH.parent / "brpo_c.py") and "lam" not in run_grid.script_flags(BENCH.parent / "brpo.py")
-    assert run_grid.unknown_flag_warnings({"brpo": {"lam": [0.5]}, "klq": {"kl_weight": [0.1]}}) == [
+    assert run_grid.flag_errors({"brpo": {"lam": [0.5]}, "klq": {"kl_weight": [0.1]}}) == [
         "--lam is not a flag of brpo.py"]
+    # a value of a type the script cannot parse, an int flag given a float, a float flag given a boolean
+    grid = {"brpo": [{"mu": [0.5, "abc"]}, {"target_update_frequency": [2.5]}], "dqn": {"learning_rate": [True, 1]}}
+    assert run_grid.flag_errors(grid) == [
+        "--mu of brpo.py takes float values, got 'abc'", "--target-update-frequency of brpo.py takes int values, got 2.5",
+        "--learning-rate of dqn_offline.py takes float values, got True"]
 
 
 def test_pack_command_format():
@@ -399,6 +406,7 @@ def test_packs_of_random_unions_of_products_train_exactly_the_grid():
                                        "tau", "gamma", "confidence_learning_rate")
                            for x in ("--sweep", f"brpo:{k}=0.123456789012345"))], "exceed the 255 bytes of a file name"),
     (["--sweep", "brpo:lam=0.5"], "--lam is not a flag of brpo.py"),
+    (["--sweep", "brpo:mu=abc"], "--mu of brpo.py takes float values, got 'abc'"),
     (["--grid", "/nonexistent.json"], "not found"),
     (["--seeds", "-1"], "seeds must lie in"),
     (["--grid", "/"], "not a readable JSON file"),
