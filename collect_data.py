@@ -382,6 +382,10 @@ def main(args: Args) -> None:
         fail(f"--behavior-eval-passes must lie in [1, {MAX_BEHAVIOR_PASSES}], got {args.behavior_eval_passes}")
     if not args.epsilon:
         fail("--epsilon needs at least one value, e.g. --epsilon 0.15")
+    names = [f"{e:g}" for e in args.epsilon]  # as the files name them: 0.15 and 0.150 would write one file twice
+    twice = sorted({e for e in names if names.count(e) > 1})
+    if twice:
+        fail(f"--epsilon lists {', '.join(twice)} more than once; give each value once")
     if args.dataset_path is not None and len(args.epsilon) != 1:
         fail("--dataset-path names one file: give exactly one --epsilon with it")
     env = make_env(args.env_id)
@@ -443,4 +447,6 @@ if __name__ == "__main__":
             print(f"{Path(sys.argv[0]).name}: standard output was closed by its reader; stopped, no partial dataset "
                   "was kept", file=sys.stderr)
             raise SystemExit(141)
+        if common.too_long(e):
+            common.fail(common.too_long(e))
         raise

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import fcntl
 import functools
 import hashlib
@@ -218,8 +219,9 @@ def make_env(env_id: str, unknown_hint: str = "Pass an installed gymnasium task,
             env = gym.make(env_id, disable_env_checker=True)
     except gym.error.Error as e:
         fail(f"cannot make environment {env_id!r}: {ended(e)} {unknown_hint}")
-    except ModuleNotFoundError as e:
-        fail(f"environment {env_id!r} needs a missing package ({e}); pip install 'gymnasium[box2d]'")
+    except ImportError as e:  # a missing package, or one that does not load (gymnasium's shimmy tasks)
+        fail(f"environment {env_id!r} needs a package that does not import ({e}); install it (Box2D tasks: "
+             "pip install 'gymnasium[box2d]')")
     if not isinstance(env.action_space, gym.spaces.Discrete):
         fail(f"{env_id} has a {type(env.action_space).__name__} action space; only discrete actions are supported")
     if not isinstance(env.observation_space, gym.spaces.Box) or len(env.observation_space.shape) != 1:
@@ -784,6 +786,8 @@ def cli(args_type, main) -> None:
     INTERRUPTED.clear()
     signal.signal(signal.SIGINT, interrupt)
     signal.signal(signal.SIGTERM, interrupt)
+    with contextlib.suppress(AttributeError, ValueError):  # a run name an ASCII terminal cannot show is escaped,
+        sys.stdout.reconfigure(errors="backslashreplace")  # not a failure that throws the finished run away
     args = None
     try:
         # --sweep is a list: a second --sweep would silently replace the first (tyro keeps the last)
@@ -811,6 +815,19 @@ def cli(args_type, main) -> None:
         print(f"{Path(sys.argv[0]).name}: standard output was closed by its reader; stopped, nothing written",
               file=sys.stderr)
         raise SystemExit(141)
+    except OSError as e:  # a path flag the file system refuses (checked before anything is written)
+        if not too_long(e):
+            raise
+        fail(too_long(e))
+
+
+def too_long(e: BaseException) -> str:
+    """One line for a path longer than the file system allows; empty for any other error."""
+    if not (isinstance(e, OSError) and e.errno == errno.ENAMETOOLONG):
+        return ""
+    name = os.fsdecode(e.filename) if e.filename is not None else "a path"
+    return f"{name if len(name) <= 80 else name[:40] + '...' + name[-30:]}: {e.strerror} (the file system allows " \
+           "255 bytes per name); pass a shorter path"
 
 
 def exit_now(status: int, signum=None, frame=None) -> None:

@@ -95,10 +95,11 @@ def read_table(path: Path) -> dict:
                 fail(f"logs {path}: column {name!r} is not numeric ({col.dtype})")
             cols[name] = col.astype(np.float64)
         return cols
+    csv.field_size_limit(2**31 - 1)  # csv's limit is 128 KB a field: a column the importer ignores may be longer
     try:
         with open(path, newline="", encoding="utf-8-sig") as f:  # -sig: a spreadsheet's byte-order mark is not a name
             rows = list(csv.reader(f))
-    except (OSError, UnicodeDecodeError) as e:
+    except (OSError, UnicodeDecodeError, csv.Error) as e:
         fail(f"logs {path} are unreadable ({type(e).__name__}: {e})")
     if len(rows) < 2:
         fail(f"logs {path} hold no transitions (a header row and one row per transition are expected)")
@@ -423,11 +424,16 @@ def main(args: Args) -> None:
         require(args.n_actions in (None, n_actions), f"--n-actions {args.n_actions}: {env_id} has {n_actions} actions")
     else:  # sizes from the logs; the scripts will score by the certificate (docs/import.md)
         obs, a = np.asarray(logs.get("observations", np.zeros((0, 0)))), np.asarray(logs.get("actions", np.zeros(0)))
-        require(obs.ndim == 2 and a.ndim == 1 and len(a) > 0, f"logs {source} lack observations (N, size) or actions")
+        probs = np.asarray(logs.get("behavior_probs", np.zeros((0, 2))))
+        require(obs.ndim == 2 and a.ndim == 1 and len(a) > 0 and probs.ndim == 2, f"logs {source} lack observations "
+                "(N, size) or actions (N,), or their behavior_probs are not (N, actions)")
+        wrong = [f"{k} ({x.dtype})" for k, x in (("observations", obs), ("actions", a), ("behavior_probs", probs))
+                 if x.dtype.kind not in "biuf"]
+        require(not wrong, f"logs {source}: {', '.join(wrong)} must hold real numbers")
         require(np.isfinite(a).all(), f"logs {source}: actions contain NaN or inf")
         obs_dim = obs.shape[1]
-        n_actions = args.n_actions if args.n_actions is not None else (np.asarray(logs["behavior_probs"]).shape[-1] if "behavior_probs" in logs
-                                       else int(a.max()) + 1)
+        n_actions = args.n_actions if args.n_actions is not None else (probs.shape[1] if "behavior_probs" in logs
+                                                                       else int(a.max()) + 1)
         supported = f"at least 2 and at most {MAX_ACTIONS} are supported"
         require(2 <= n_actions <= MAX_ACTIONS, f"--n-actions {n_actions}: {supported}" if args.n_actions is not None
                 else f"logs {source} show {n_actions:.3g} action(s); {supported} (pass --n-actions if the logs do not "

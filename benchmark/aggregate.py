@@ -51,7 +51,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from run_grid import (ALGORITHMS, ENVS, ENV_RENAMES, PAPER_ALGORITHMS, RESULT_FILE, Parser, check_result,  # noqa: E402
-                      fmt_value, norm_key, parse_value)
+                      fmt_value, norm_key, parse_value, too_long)
 
 PAPER_CSV = Path(__file__).resolve().parent / "paper_table1.csv"
 LABELS = {key: label for key, (_, label) in ALGORITHMS.items()}
@@ -192,6 +192,10 @@ def read_table(path: Path, columns: tuple[str, ...], name: str, kind: str) -> li
         raise AggregateError(f"cannot read {name} ({e}); pass {kind} written by aggregate.py")
     if not rows or any(c not in rows[0] for c in columns):
         raise AggregateError(f"{name} is not {kind} of aggregate.py (needs the columns {', '.join(columns)})")
+    for i, row in enumerate(rows, start=2):  # a row cut short (or run on) would read as None (or under key None)
+        if None in row or None in row.values():
+            raise AggregateError(f"{name}, line {i}: {'more' if None in row else 'fewer'} fields than its header; "
+                                 "fix or delete that line")
     return rows
 
 
@@ -209,6 +213,8 @@ def load_runs_csv(path: Path) -> list[Run]:
             eval_se = float(row["eval_se"]) if row.get("eval_se") else None
             if not all(math.isfinite(x) for x in (eps, score, beh or 0.0, eval_se or 0.0)):
                 raise ValueError("non-finite number")
+            if not 0.0 <= eps <= 1.0:
+                raise ValueError(f"epsilon {eps:g} outside [0, 1]")
         except (KeyError, ValueError) as e:
             raise AggregateError(f"--merge-runs file '{path}', line {i}: bad row ({e}); fix or delete that line")
         env = ENV_RENAMES.get(row["env_id"], row["env_id"])
@@ -809,7 +815,7 @@ def read_invocations(root: Path) -> list[str]:
         for line in path.read_text(errors="replace").splitlines():
             try:
                 c = json.loads(line).get("command")
-            except (json.JSONDecodeError, AttributeError):
+            except (json.JSONDecodeError, AttributeError, RecursionError):
                 continue
             if c and c not in commands:
                 commands.append(c)
@@ -819,8 +825,10 @@ def read_invocations(root: Path) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     try:
         return _main(argv)
-    except AggregateError as e:  # raised while reading the paper's table or writing the report
-        print(f"aggregate.py: error: {e}", file=sys.stderr)
+    except (AggregateError, OSError) as e:  # raised while reading the paper's table or writing the report
+        if isinstance(e, OSError) and not too_long(e):
+            raise
+        print(f"aggregate.py: error: {too_long(e) or e}", file=sys.stderr)
         return 2
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from aggregate import LABELS, PAPER_CSV, AggregateError, load_paper, read_table  # noqa: E402
-from run_grid import ENVS, PAPER_EPSILONS, Parser  # noqa: E402
+from run_grid import ENVS, PAPER_EPSILONS, Parser, too_long  # noqa: E402
 
 SHORT = {"CartPole-v1": "CartPole", "Acrobot-v1": "Acrobot", "LunarLander-v3": "LunarLander"}
 
@@ -102,5 +102,7 @@ if __name__ == "__main__":
     opts = p.parse_args()
     try:
         print(table(opts.defaults_dir, opts.protocol_dir))
-    except AggregateError as e:
-        sys.exit(f"headline_table.py: error: {e}")
+    except (AggregateError, OSError) as e:
+        if isinstance(e, OSError) and not too_long(e):
+            raise
+        sys.exit(f"headline_table.py: error: {too_long(e) or e}")

@@ -28,6 +28,7 @@ import ast
 import ctypes
 import dataclasses
 import datetime
+import errno
 import fcntl
 import itertools
 import json
@@ -340,7 +341,7 @@ def load_grid_file(path: Path, algos: list[str]) -> dict[str, list[dict[str, lis
         data = json.loads(Path(path).read_text())
     except FileNotFoundError:
         raise GridError(f"grid file '{path}' not found") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         raise GridError(f"grid file '{path}' is not a readable JSON file ({e})") from None
     table = data.get("algorithms") if isinstance(data, dict) else None
     if not isinstance(table, dict):
@@ -382,7 +383,8 @@ def load_cells(path: Path, seeds: list[int]) -> list[Cell]:
                            tuple(sorted((norm_key(k), v) for k, v in hp.items()))) for seed in seeds]
     except FileNotFoundError:
         raise GridError(f"cells file '{path}' not found") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as e:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError,
+            RecursionError) as e:  # RecursionError: JSON nested deeper than the parser's stack
         raise GridError(f"cells file '{path}' is not a selected.json of aggregate.py --selection-seeds "
                         f"({type(e).__name__}: {e})") from None
     if not cells:
@@ -536,7 +538,7 @@ def check_result(path: Path, cell: Cell | None = None, requested: dict | None = 
         return "no result.json"
     try:
         data = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         return f"unreadable result.json ({type(e).__name__})"
     if not isinstance(data, dict):
         return "result.json is not an object"
@@ -941,9 +943,20 @@ def main(argv: list[str] | None = None) -> int:
     opts.argv = list(sys.argv[1:] if argv is None else argv)
     try:
         return _main(opts)
-    except GridError as e:
-        print(f"run_grid.py: error: {e}", file=sys.stderr)
+    except (GridError, OSError) as e:
+        if isinstance(e, OSError) and not too_long(e):
+            raise
+        print(f"run_grid.py: error: {too_long(e) or e}", file=sys.stderr)
         return 2
+
+
+def too_long(e: BaseException) -> str:
+    """One line for a path longer than the file system allows, met in any check (empty for any other error)."""
+    if not (isinstance(e, OSError) and e.errno == errno.ENAMETOOLONG):
+        return ""
+    name = os.fsdecode(e.filename) if e.filename is not None else "a path"
+    return f"{name if len(name) <= 80 else name[:40] + '...' + name[-30:]}: {e.strerror} (the file system allows " \
+           "255 bytes per name); pass a shorter path"
 
 
 def _main(opts: argparse.Namespace) -> int:

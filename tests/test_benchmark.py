@@ -427,6 +427,18 @@ def test_bad_input_one_line_error(argv, message, capsys, tmp_path):
     assert len(err) == 1 and err[0].startswith("run_grid.py: error:") and message in err[0]
 
 
+def test_paths_too_long_and_json_nested_too_deep_are_one_line(capsys, tmp_path):
+    long = str(tmp_path / ("a" * 300))
+    (tmp_path / "deep.json").write_text('{"cells": ' + "[" * 100_000)
+    for main, argv, needle in ((run_grid.main, ["--dry-run", "--out", long], "File name too long (the file system"),
+                               (run_grid.main, ["--dry-run", "--cells", str(tmp_path / "deep.json")],
+                                "is not a selected.json of aggregate.py --selection-seeds (RecursionError"),
+                               (aggregate.main, [str(tmp_path), "--paper-csv", long], "File name too long (the file")):
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and needle in err[0], err
+
+
 def test_benchmark_tools_refuse_bad_flags_in_one_line(tmp_path):
     for script, argv, needle in (("throughput.py", ["--env-id", "Foo-v0"], "--env-id must be"),
                                  ("throughput.py", ["--epsilon", "0.3"], "--epsilon must be one of"),
@@ -1225,10 +1237,12 @@ def test_aggregate_merge_runs_keeps_a_grid_growing(tmp_path, capsys):
     rows = list(csv.DictReader(open(merged / "runs.csv")))
     assert [r["final_score"] for r in rows if r["algorithm"] == "BRPO"] == ["500.0000", "102.0000", "103.0000"]
     capsys.readouterr()
-    bad = tmp_path / "bad.csv"
+    bad, runs_text = tmp_path / "bad.csv", (tmp_path / "b" / "runs.csv").read_text()
     for content, message in (("a,b\n1,2\n", "is not a runs.csv"),
                              ((tmp_path / "b" / "runs.csv").read_text().replace("Acrobot-v1,0.15,DQN", "Acrobot-v1,0.15,XYZ", 1),
-                              "line 2: bad row")):
+                              "line 2: bad row"),
+                             (runs_text.replace(",0.15,", ",7,", 1), "line 2: bad row (epsilon 7 outside [0, 1])"),
+                             (runs_text.split(",DQN,")[0] + ",DQN\n", "line 2: fewer fields than its header")):
         bad.write_text(content)
         assert aggregate.main([str(new), "--merge-runs", str(bad), "--out", str(merged)]) == 2
         err = capsys.readouterr().err.strip()

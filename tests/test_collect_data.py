@@ -104,6 +104,8 @@ def test_behavior_policy_is_in_the_papers_regime(datasets):
     (["--env-id", "CartPole-v1", "--epsilon", "0.1", "0.2", "--dataset-path", "x.npz"], "--dataset-path"),
     (["--env-id", "Acrobot-v1", "--behavior-path", str(REPO / "behavior_policies" / "CartPole-v1.npz")], "obs dim"),
     (["--env-id", "CartPole-v1", "--epsilon"], "--epsilon needs at least one value"),
+    (["--env-id", "CartPole-v1", "--epsilon", "0.15", "0.150"], "--epsilon lists 0.15 more than once"),
+    (["--env-id", "CartPole-v1", "--behavior-path", "b" * 300 + ".npz"], "File name too long (the file system allows"),
     (["--env-id", "CartPole-v1", "--train-behavior", "--behavior-path", "b.npz", "--behavior-train-steps", "0"],
      "--behavior-train-steps must be at least 2500, got 0"),
     (["--env-id", "CartPole-v1", "--behavior-path", str(REPO / "README.md")], "not an .npz archive"),

@@ -186,6 +186,8 @@ def test_bad_invocations(own, tmp_path):
     (tmp_path / "exists.npz").write_bytes(b"x")
     (tmp_path / "text.npz").write_text("state,action,reward\n")
     np.savez(tmp_path / "objects.npz", observations=np.array([{"x": 1}], dtype=object))
+    np.savez(tmp_path / "text_actions.npz", **{**own["logs"], "actions": own["logs"]["actions"].astype(str)})
+    np.savez(tmp_path / "scalar_probs.npz", **own["logs"], behavior_probs=np.array(0.5))
     for argv, needle in (([], "exactly one of --logs and --minari-id"),
                          (["--logs", tmp_path / "logs.npz"], "pass --env-id"),
                          (["--logs", tmp_path / "none.csv", "--env-id", "CartPole-v1"], "not found"),
@@ -197,7 +199,12 @@ def test_bad_invocations(own, tmp_path):
                          (["--logs", tmp_path / "logs.npz", "--env-id", "MyTask-v0", "--n-actions", "0"],
                           "--n-actions 0: at least 2"),
                          (["--logs", tmp_path / "text.npz", "--env-id", "CartPole-v1"], "not an .npz archive"),
-                         (["--logs", tmp_path / "objects.npz", "--env-id", "CartPole-v1"], "holds object arrays")):
+                         (["--logs", tmp_path / "objects.npz", "--env-id", "CartPole-v1"], "holds object arrays"),
+                         (["--logs", tmp_path / "text_actions.npz", "--env-id", "MyTask-v0"],
+                          "actions (<U21) must hold real numbers"),
+                         (["--logs", tmp_path / "scalar_probs.npz", "--env-id", "MyTask-v0"],
+                          "their behavior_probs are not (N, actions)"),
+                         (["--logs", tmp_path / ("x" * 300 + ".npz"), "--env-id", "CartPole-v1"], "File name too long")):
         proc = run_in_process([REPO / "import_data.py", *argv])
         assert proc.returncode == 1 and needle in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
     assert (tmp_path / "exists.npz").read_bytes() == b"x"
@@ -211,15 +218,17 @@ def test_example_logs_import(tmp_path):
 
 
 def test_csv_header_quirks(tmp_path):
-    """A spreadsheet's byte-order mark before the header is read as the same file; a column named twice is refused
-    (which one holds the actions?)."""
+    """A spreadsheet's byte-order mark before the header is read as the same file, and so is one with a long column
+    the importer ignores; a column named twice is refused (which one holds the actions?)."""
     lines = (REPO / "examples" / "logs_example.csv").read_text().splitlines()
     (tmp_path / "bom.csv").write_text("\n".join(lines) + "\n", encoding="utf-8-sig")
     (tmp_path / "twice.csv").write_text("\n".join([lines[0] + ",action"] + [x + ",1" for x in lines[1:]]) + "\n")
+    (tmp_path / "long.csv").write_text("\n".join([lines[0] + ",note"] + [x + "," + "n" * 200_000 for x in lines[1:]]))
     args = ["--env-id", "CartPole-v1", "--fit-steps", "200"]
-    proc = run_in_process([REPO / "import_data.py", "--logs", tmp_path / "bom.csv", "--dataset-path",
-                           tmp_path / "b.npz", *args])
-    assert proc.returncode == 0, proc.stderr
+    for name in ("bom", "long"):  # long: a column it ignores holds fields beyond csv's 128 KB default limit
+        proc = run_in_process([REPO / "import_data.py", "--logs", tmp_path / f"{name}.csv", "--dataset-path",
+                               tmp_path / f"{name}.npz", *args])
+        assert proc.returncode == 0, proc.stderr
     proc = run_in_process([REPO / "import_data.py", "--logs", tmp_path / "twice.csv", "--dataset-path",
                            tmp_path / "t.npz", *args])
     assert proc.returncode == 1 and proc.stderr.count("\n") == 1 and "['action'] appear more than once" in proc.stderr

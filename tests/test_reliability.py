@@ -168,6 +168,27 @@ def test_flags_that_do_not_parse_are_one_line(name):
     assert shown.returncode == 0 and "usage:" in shown.stdout and not shown.stderr, shown.stderr
 
 
+def test_a_path_too_long_and_a_package_that_does_not_import_are_one_line(tmp_path):
+    """Met wherever a path is first looked at (a checkpoint here), or a task's package fails to import."""
+    long = str(tmp_path / ("a" * 300 + ".pt"))
+    runs = ["--runs-dir", str(tmp_path / "runs")]
+    for argv, needle in ((["dqn_offline.py", "--eval-checkpoint", long, *runs], "File name too long (the file system "),
+                         (["certify.py", long], "File name too long (the file system allows"),
+                         (["bc.py", "--env-id", "GymV26Environment-v0", *runs], "needs a package that does not import")):
+        proc = run_in_process([REPO / argv[0], *argv[1:]])
+        failed_cleanly(proc, needle)
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_run_name_the_terminal_cannot_show_does_not_cost_the_run(datasets, tmp_path):
+    """With an ASCII standard output, the final line's non-ASCII run name is escaped; the run is kept."""
+    proc = subprocess.run([sys.executable, REPO / "bc.py", "--dataset-path", datasets[0.15], "--runs-dir", tmp_path,
+                           "--run-name", "r\u00e9sultat", "--no-tensorboard", *TINY], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONIOENCODING": "ascii"}, timeout=300)
+    assert proc.returncode == 0 and "r\\xe9sultat" in proc.stdout, proc.stderr
+    assert (tmp_path / "r\u00e9sultat" / "result.json").is_file()
+
+
 def test_a_flag_and_its_list_together_are_refused():
     """--seed 2 --seeds 1 3 would train seeds 1 and 3 only: one line instead (either spelling of the flag)."""
     for argv, both in ((["--seed", "2", "--seeds", "1", "3"], "--seed and --seeds"),
