@@ -822,12 +822,13 @@ def cli(args_type, main) -> None:
 
 
 def too_long(e: BaseException) -> str:
-    """One line for a path longer than the file system allows; empty for any other error."""
+    """One line for a path longer than the file system allows; empty for any other error (benchmark/run_grid.py has
+    its twin)."""
     if not (isinstance(e, OSError) and e.errno == errno.ENAMETOOLONG):
         return ""
     name = os.fsdecode(e.filename) if e.filename is not None else "a path"
     return f"{name if len(name) <= 80 else name[:40] + '...' + name[-30:]}: {e.strerror} (the file system allows " \
-           "255 bytes per name); pass a shorter path"
+           "255 bytes per name, 4096 per path); pass a shorter path"
 
 
 def exit_now(status: int, signum=None, frame=None) -> None:

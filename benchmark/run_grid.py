@@ -496,8 +496,9 @@ def flag_errors(grid: dict, repo: Path | None = None) -> list[str]:
                     out.append(f"{flag} is not a flag of {script}")
                     continue
                 kind = re.sub(r"^Optional\[(.*)\]$", r"\1", known[key]) if known is not None else None
-                for v in values if kind in SCALARS else ():
-                    if not isinstance(v, SCALARS[kind]) or isinstance(v, bool) != (kind == "bool"):
+                for v in values if kind in SCALARS else ():  # 1e3 for an int flag is written as 1000: accepted
+                    whole = kind == "int" and isinstance(v, float) and v.is_integer()
+                    if not (isinstance(v, SCALARS[kind]) or whole) or isinstance(v, bool) != (kind == "bool"):
                         out.append(f"{flag} of {script} takes {kind} values, got {v!r}")
     return list(dict.fromkeys(out))
 
@@ -951,12 +952,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def too_long(e: BaseException) -> str:
-    """One line for a path longer than the file system allows, met in any check (empty for any other error)."""
+    """One line for a path longer than the file system allows, met in any check (empty for any other error); the
+    scripts' twin is common.too_long (this file does not import common, which loads torch)."""
     if not (isinstance(e, OSError) and e.errno == errno.ENAMETOOLONG):
         return ""
     name = os.fsdecode(e.filename) if e.filename is not None else "a path"
     return f"{name if len(name) <= 80 else name[:40] + '...' + name[-30:]}: {e.strerror} (the file system allows " \
-           "255 bytes per name); pass a shorter path"
+           "255 bytes per name, 4096 per path); pass a shorter path"
 
 
 def _main(opts: argparse.Namespace) -> int:
