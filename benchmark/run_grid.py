@@ -489,13 +489,15 @@ def flag_errors(grid: dict, repo: Path | None = None) -> list[str]:
     for algo, params in grid.items():
         script = ALGORITHMS[algo][0]
         known = script_flags(repo / script)
+        if known is None:  # its Args cannot be read: the script's own parser will say what is wrong
+            continue
         for block in param_blocks(params):
             for key, values in block.items():
                 flag = f"--{key.replace('_', '-')}"
-                if known is not None and key not in known:
+                if key not in known:
                     out.append(f"{flag} is not a flag of {script}")
                     continue
-                kind = re.sub(r"^Optional\[(.*)\]$", r"\1", known[key]) if known is not None else None
+                kind = re.sub(r"^Optional\[(.*)\]$", r"\1", known[key])
                 for v in values if kind in SCALARS else ():  # 1e3 for an int flag is written as 1000: accepted
                     whole = kind == "int" and isinstance(v, float) and v.is_integer()
                     if not (isinstance(v, SCALARS[kind]) or whole) or isinstance(v, bool) != (kind == "bool"):
