@@ -273,10 +273,11 @@ def test_flags_are_read_from_the_scripts():
     assert run_grid.flag_errors({"brpo": {"lam": [0.5]}, "klq": {"kl_weight": [0.1]}}) == [
         "--lam is not a flag of brpo.py"]
     # a value of a type the script cannot parse, an int flag given a float, a float flag given a boolean
-    grid = {"brpo": [{"mu": [0.5, "abc"]}, {"target_update_frequency": [2.5, 1e3]}],  # 1e3: written as 1000, fine
+    grid = {"brpo": [{"mu": [0.5, "abc"]}, {"target_update_frequency": [2.5, 1e3, 1e20]}],  # 1e3: written 1000, fine
             "dqn": {"learning_rate": [True, 1]}}
     assert run_grid.flag_errors(grid) == [
         "--mu of brpo.py takes float values, got 'abc'", "--target-update-frequency of brpo.py takes int values, got 2.5",
+        "--target-update-frequency of brpo.py takes int values, got 1e+20",
         "--learning-rate of dqn_offline.py takes float values, got True"]
 
 
