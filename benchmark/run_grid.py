@@ -498,8 +498,9 @@ def flag_errors(grid: dict, repo: Path | None = None) -> list[str]:
                     out.append(f"{flag} is not a flag of {script}")
                     continue
                 kind = re.sub(r"^Optional\[(.*)\]$", r"\1", known[key])
-                for v in values if kind in SCALARS else ():  # an int flag takes a float written as digits (1e3 is
-                    whole = kind == "int" and isinstance(v, float) and fmt_value(v).lstrip("-").isdigit()  # 1000)
+                for v in values if kind in SCALARS else ():
+                    # an int flag takes a float that is written as digits: 1e3 (1000), not 1e20 (1e+20)
+                    whole = kind == "int" and isinstance(v, float) and fmt_value(v).lstrip("-").isdigit()
                     if not (isinstance(v, SCALARS[kind]) or whole) or isinstance(v, bool) != (kind == "bool"):
                         out.append(f"{flag} of {script} takes {kind} values, got {v!r}")
     return list(dict.fromkeys(out))
